@@ -1,0 +1,594 @@
+"""
+The re-ranking task: catalogue -> semantic ids -> retriever -> examples with teacher traces.
+
+Every stage of Diffusion-GR2 trains and tests on what this script writes. The pipeline:
+
+1. A catalogue in one JSONL layout: `*_items.jsonl` (item, item_id, title, categories) and
+   `*_users.jsonl` (user, user_id, items in time order). Amazon Beauty 2014 5-core comes in that layout
+   (or as McAuley's original `reviews_Beauty_5.json.gz` + `meta_Beauty.json.gz`); the built-in
+   synthetic catalogue is *written* in that layout first and read back, so both share one code path.
+2. Semantic ids (SIDs): 4 tokens per item. Levels a-c are residual k-means (RQ-KMeans) over a TF-IDF
+   embedding of title + categories reduced by SVD; level d numbers the items that still collide.
+3. Chronological leave-one-out: last item = test target, second-to-last = validation target, every
+   earlier position = a training example. A co-occurrence retriever ranks the catalogue; its top-10
+   (in retriever order) is the candidate list, and only examples whose target is in it are kept.
+   Co-occurrence counts come from training positions only; a training example is scored with its
+   own user's pairs removed, so train and test candidate lists look alike (no leakage, no shift).
+4. A rule-based trace teacher (the paper used an LLM + rejection sampling). It computes evidence that
+   the prompt shows (brand and category overlap with the history, the routine that usually follows the
+   last purchase, retriever position), scores every candidate with the weights of a sampled strategy,
+   and keeps the trace only when its ranking puts the target first. The ranking follows from the
+   stated scores, so a reasoning error changes the answer. An example whose target no strategy puts
+   first gets no trace and is left out of training (counted in stats.json as `teacher_kept_rate`).
+5. A tokenizer (a word-level one built here for the tiny model, or a Qwen3 one with the SID tokens and
+   the mask token added), the tokenized splits as a `datasets.DatasetDict`, and stats.json.
+
+    python data.py                                                # synthetic -> data/synthetic
+    python data.py --source beauty --raw ../shared/data/amazon-beauty   # -> data/beauty
+    python data.py --tokenizer ../shared/data/qwen3-tokenizer --out data/synthetic-qwen3
+"""
+import argparse
+import ast
+import gzip
+import html
+import json
+import math
+import os
+import re
+import shutil
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import eval as metrics
+
+MASK_TOKEN = "<|mask|>"  # [diffusion] the token a block-diffusion model denoises
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<unk>", MASK_TOKEN]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Per-source defaults: the synthetic task is sized for fast learning on a CPU.
+SOURCE_DEFAULTS = {"synthetic": dict(codebook=32, history=5, title_words=3, max_eval=1000),
+                   "beauty": dict(codebook=256, history=6, title_words=5, max_eval=0)}
+# Strategies of the trace teacher: weights of (brand, category, next-in-routine, retriever top-3).
+STRATEGIES = {"routine": (2, 0, 4, 1), "brand": (4, 0, 1, 2), "retriever": (1, 0, 1, 4), "taste": (1, 3, 1, 1)}
+# assumption: how often the teacher tries each strategy first (the paper's LLM teacher had its own habits).
+STRATEGY_PRIOR = (0.5, 0.2, 0.2, 0.1)
+
+
+class DataError(ValueError):
+    """Bad input: the message names the file (and line) and what is wrong with it."""
+
+
+# ----------------------------------------------------------------------------- 1. catalogues
+def _read_jsonl(path, required):
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_no}: malformed JSON ({e.msg})") from None
+            missing = [k for k in required if k not in row]
+            if missing:
+                raise DataError(f"{path}:{line_no}: missing field(s) {missing}")
+            rows.append(row)
+    return rows
+
+
+def read_jsonl_layout(raw):
+    """items (list of dicts) and users (list of item-id lists) from `*_items.jsonl` + `*_users.jsonl`."""
+    found = {}
+    for kind in ("items", "users"):
+        hits = sorted(Path(raw).glob(f"*{kind}.jsonl"))
+        if len(hits) != 1:
+            raise DataError(f"{raw}: expected exactly one *{kind}.jsonl, found {len(hits)}")
+        found[kind] = hits[0]
+    items = _read_jsonl(found["items"], ("item", "title", "categories"))
+    known = {it["item"] for it in items}
+    users = []
+    for line_no, u in enumerate(_read_jsonl(found["users"], ("user", "items")), 1):
+        for it in u["items"]:
+            if it not in known:
+                raise DataError(f"{found['users']}:{line_no}: item {it!r} has no metadata in {found['items'].name}")
+        users.append(u["items"])
+    return items, users
+
+
+def read_mcauley(raw, k_core=5):
+    """McAuley's 2014 files: reviews sorted by time per user (stable), k-core filtered, with metadata."""
+    rev_path, meta_path = Path(raw) / "reviews_Beauty_5.json.gz", Path(raw) / "meta_Beauty.json.gz"
+    for p in (rev_path, meta_path):
+        if not p.exists():
+            raise DataError(f"{p}: file not found")
+    by_user = defaultdict(list)
+    with gzip.open(rev_path, "rt", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            try:
+                r = json.loads(line)
+                by_user[r["reviewerID"]].append((int(r["unixReviewTime"]), r["asin"]))
+            except (json.JSONDecodeError, KeyError, ValueError) as e:
+                raise DataError(f"{rev_path}:{line_no}: malformed review ({e})") from None
+    meta = {}
+    with gzip.open(meta_path, "rt", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            try:  # the 2014 metadata is Python-literal, not JSON; literal_eval runs no code
+                m = ast.literal_eval(line)
+                meta[m["asin"]] = m
+            except (ValueError, SyntaxError, KeyError) as e:
+                raise DataError(f"{meta_path}:{line_no}: malformed metadata ({e})") from None
+    seqs = {u: list(dict.fromkeys(a for _, a in sorted(v, key=lambda x: x[0]))) for u, v in by_user.items()}
+    while True:  # k-core: a no-op on the 5-core file, needed for anything larger
+        counts = Counter(a for s in seqs.values() for a in s)
+        new = {u: [a for a in s if counts[a] >= k_core] for u, s in seqs.items()}
+        new = {u: s for u, s in new.items() if len(s) >= k_core}
+        if new == seqs:
+            break
+        seqs = new
+    users = list(seqs.values())
+    order = list(dict.fromkeys(a for s in users for a in s))
+    for a in order:
+        if a not in meta or not meta[a].get("title"):
+            raise DataError(f"{meta_path}: item {a!r} has no metadata (title)")
+    items = [{"item": a, "title": html.unescape(meta[a]["title"]), "categories": meta[a].get("categories", [])}
+             for a in order]
+    return items, users
+
+
+def load_catalogue(raw):
+    if not Path(raw).is_dir():
+        raise DataError(f"{raw}: directory not found")
+    if list(Path(raw).glob("*items.jsonl")) or list(Path(raw).glob("*users.jsonl")):
+        return read_jsonl_layout(raw)
+    if (Path(raw) / "reviews_Beauty_5.json.gz").exists():
+        return read_mcauley(raw)
+    raise DataError(f"{raw}: unknown format (expected *_items.jsonl + *_users.jsonl, "
+                    "or reviews_Beauty_5.json.gz + meta_Beauty.json.gz)")
+
+
+# A small beauty world: top category -> leaf categories in routine order (each leaf's next is the one after).
+WORLD = {"hair": ["shampoo", "conditioner", "treatment", "oil", "spray"],
+         "skin": ["cleanser", "toner", "serum", "moisturizer", "sunscreen"],
+         "makeup": ["primer", "foundation", "concealer", "mascara", "lipstick"],
+         "nails": ["basecoat", "polish", "topcoat", "remover", "cuticle"],
+         "body": ["bodywash", "scrub", "lotion", "deodorant", "perfume"]}
+ADJECTIVES = {"hair": ["silk", "argan", "volume", "repair", "shine"], "skin": ["hydra", "clear", "glow", "calm", "bright"],
+              "makeup": ["matte", "velvet", "bold", "soft", "nude"], "nails": ["gloss", "gel", "quick", "strong", "chrome"],
+              "body": ["fresh", "shea", "citrus", "pure", "cocoa"]}
+BRANDS = ["aurora", "belle", "cedar", "dune", "ember", "fable", "halo", "iris", "jade", "kelp", "luna", "mira",
+          "nova", "opal", "pearl", "quill", "rosa", "sage", "terra", "umbra", "vela", "willow", "yara", "zeph"]
+
+
+def make_synthetic(seed=0, n_users=8000, p_routine=0.6, p_taste=0.2, p_fav_brand=0.7, mean_len=8):
+    """A seeded catalogue with structure to reason about: tastes, brand loyalty, routines and noise.
+
+    Each brand makes products in two top categories. A user has one or two favourite top categories
+    and two favourite brands. After each purchase the next one follows the routine (the next leaf of
+    the last item's top category) with p_routine, stays in a favourite category with p_taste, and is
+    a popular item from anywhere otherwise; inside a category a favourite brand wins with p_fav_brand.
+    """
+    rng = np.random.default_rng(seed)
+    tops = list(WORLD)
+    leaf_top = {leaf: top for top, leaves in WORLD.items() for leaf in leaves}
+    items = []
+    for brand in BRANDS:
+        for top in rng.choice(tops, size=2, replace=False):
+            for leaf in WORLD[top]:
+                for adj in rng.choice(ADJECTIVES[top], size=rng.integers(1, 4), replace=False):
+                    items.append({"item": f"S{len(items):04d}", "title": f"{brand} {adj} {leaf}",
+                                  "categories": [["Beauty", top.title(), leaf.title()]], "brand": brand, "leaf": leaf})
+    pop = 1.0 / (1 + rng.permutation(len(items))) ** 0.7
+    by_leaf = defaultdict(list)
+    for i, it in enumerate(items):
+        by_leaf[it["leaf"]].append(i)
+
+    def pick(cands, fav_brands):
+        fav = [i for i in cands if items[i]["brand"] in fav_brands]
+        pool = fav if fav and rng.random() < p_fav_brand else cands
+        w = pop[pool] / pop[pool].sum()
+        return int(rng.choice(pool, p=w))
+
+    users = []
+    for _ in range(n_users):
+        fav_tops = list(rng.choice(tops, size=1 + (rng.random() < 0.3), replace=False))
+        makers = [b for b in BRANDS if any(items[i]["brand"] == b for t in fav_tops for l in WORLD[t] for i in by_leaf[l])]
+        fav_brands = set(rng.choice(makers, size=2, replace=False))
+        length = min(5 + rng.poisson(mean_len - 5), 20)
+        seq = []
+        while len(seq) < length:
+            u = rng.random()
+            if seq and u < p_routine:
+                last = items[seq[-1]]["leaf"]
+                leaves = WORLD[leaf_top[last]]
+                cands = by_leaf[leaves[(leaves.index(last) + 1) % len(leaves)]]
+            elif not seq or u < p_routine + p_taste:
+                cands = by_leaf[rng.choice(WORLD[rng.choice(fav_tops)])]
+            else:
+                cands = list(range(len(items)))
+            choice = pick([i for i in cands if i not in seq] or cands, fav_brands)
+            if choice not in seq:
+                seq.append(choice)
+        users.append([items[i]["item"] for i in seq])
+    return items, users
+
+
+def write_jsonl_layout(items, users, out_dir, name):
+    """Write a catalogue in the shared JSONL layout (the synthetic one goes through this too)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(Path(out_dir) / f"{name}_items.jsonl", "w") as f:
+        for i, it in enumerate(items, 1):
+            f.write(json.dumps({"item": it["item"], "item_id": i, "title": it["title"], "categories": it["categories"]}) + "\n")
+    with open(Path(out_dir) / f"{name}_users.jsonl", "w") as f:
+        for u, seq in enumerate(users, 1):
+            f.write(json.dumps({"user": f"U{u:05d}", "user_id": u, "items": seq}) + "\n")
+
+
+# ----------------------------------------------------------------------------- 2. semantic ids
+def words(text):
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def item_embeddings(items, dim=64, max_vocab=4096, seed=0):
+    """TF-IDF of title + category words, reduced to `dim` dimensions by a (seeded) randomized SVD."""
+    docs = [words(it["title"]) + [w for path in it["categories"] for c in path for w in words(c)] for it in items]
+    df = Counter(w for d in docs for w in set(d))
+    vocab = {w: j for j, (w, _) in enumerate(df.most_common(max_vocab))}
+    X = torch.zeros(len(docs), len(vocab))
+    for i, d in enumerate(docs):
+        for w, c in Counter(d).items():
+            if w in vocab:
+                X[i, vocab[w]] = (1 + math.log(c)) * math.log(len(docs) / df[w])
+    X = X / X.norm(dim=1, keepdim=True).clamp_min(1e-8)
+    torch.manual_seed(seed)
+    U, S, _ = torch.svd_lowrank(X, q=min(dim, min(X.shape) - 1), niter=4)
+    return (U * S).numpy().astype(np.float64)
+
+
+def kmeans(X, k, seed, iters=25):
+    """Plain k-means with k-means++ seeding; returns (assignments, centroids)."""
+    rng = np.random.default_rng(seed)
+    k = min(k, len(X))
+    C = [X[rng.integers(len(X))]]
+    d2 = ((X - C[0]) ** 2).sum(1)
+    for _ in range(1, k):
+        C.append(X[rng.choice(len(X), p=d2 / d2.sum())] if d2.sum() > 0 else X[rng.integers(len(X))])
+        d2 = np.minimum(d2, ((X - C[-1]) ** 2).sum(1))
+    C = np.stack(C)
+    for _ in range(iters):
+        assign = ((X ** 2).sum(1)[:, None] - 2 * X @ C.T + (C ** 2).sum(1)[None]).argmin(1)
+        for j in range(k):
+            if (assign == j).any():
+                C[j] = X[assign == j].mean(0)
+    return assign, C
+
+
+def semantic_ids(items, codebook, seed=0):
+    """(N, 4) codes: 3 levels of residual k-means, then a collision counter that makes each SID unique."""
+    residual = item_embeddings(items, seed=seed)
+    codes = []
+    for level in range(3):
+        assign, C = kmeans(residual, codebook, seed + level)
+        codes.append(assign)
+        residual = residual - C[assign]
+    codes = np.stack(codes, 1)
+    seen = Counter()
+    last = np.zeros(len(items), dtype=np.int64)
+    for i, prefix in enumerate(map(tuple, codes)):
+        last[i] = seen[prefix]
+        seen[prefix] += 1
+    return np.concatenate([codes, last[:, None]], 1)
+
+
+# ----------------------------------------------------------------------------- 3. retriever
+class CoocRetriever:
+    """Item-to-item co-occurrence on training sequences, recency-weighted over the history.
+
+    C[i, j] adds 1/gap for j bought `gap` <= window positions after i, and `back`/gap for before.
+    score(j | history) = sum_h decay^(age of h) * C[h, j] / count(j)^pop_alpha; history items are
+    excluded and popular items backfill when fewer than k items score above zero.
+    """
+
+    def __init__(self, n_items, window=3, back=0.5, decay=0.6, pop_alpha=0.2, max_history=10):
+        self.n, self.window, self.back, self.decay = n_items, window, back, decay
+        self.pop_alpha, self.max_history = pop_alpha, max_history
+
+    def pair_weights(self, seq):
+        """(i, j, w) co-occurrence contributions of one sequence."""
+        out = []
+        for p, i in enumerate(seq):
+            for gap in range(1, self.window + 1):
+                if p + gap < len(seq):
+                    j = seq[p + gap]
+                    out += [(i, j, 1.0 / gap), (j, i, self.back / gap)]
+        return out
+
+    def fit(self, train_seqs):
+        rows, cols, vals = zip(*[t for s in train_seqs for t in self.pair_weights(s)])
+        C = torch.sparse_coo_tensor(torch.tensor([rows, cols]), torch.tensor(vals, dtype=torch.float64),
+                                    (self.n, self.n)).coalesce()
+        self.count = torch.bincount(torch.tensor([i for s in train_seqs for i in s]), minlength=self.n).double()
+        self.CT = C.t().coalesce().to_sparse_csr()  # (to, from): scores = CT @ history weights
+        self.norm = self.count.clamp_min(1) ** self.pop_alpha
+        return self
+
+    def history_weights(self, history):
+        hist = history[-self.max_history:]
+        return {h: self.decay ** (len(hist) - 1 - a) for a, h in enumerate(hist)}
+
+    def scores(self, histories, own_seqs=None):
+        """(len(histories), n_items) scores; own_seqs[r] removes that user's own pairs from row r."""
+        H = torch.zeros(len(histories), self.n, dtype=torch.float64)
+        for r, hist in enumerate(histories):
+            for h, w in self.history_weights(hist).items():
+                H[r, h] += w
+        S = torch.sparse.mm(self.CT, H.t()).t()  # (rows, n_items)
+        for r, own in enumerate(own_seqs or []):
+            if own:
+                for i, j, w in self.pair_weights(own):
+                    S[r, j] -= H[r, i] * w
+        return S.clamp_min(0) / self.norm
+
+    def top_k(self, histories, k=10, own_seqs=None, chunk=2048):
+        """The top-k items (retriever order) for each history."""
+        out = []
+        pop_order = torch.argsort(self.count, descending=True, stable=True)
+        for s in range(0, len(histories), chunk):
+            S = self.scores(histories[s:s + chunk], own_seqs[s:s + chunk] if own_seqs else None)
+            S = S + 1e-9 * self.count / self.count.max()  # popularity backfill and tie-break
+            for r, hist in enumerate(histories[s:s + chunk]):
+                S[r, list(set(hist))] = -1.0
+            top = torch.topk(S, k, dim=1).indices
+            out += top.tolist()
+        return out
+
+
+# ----------------------------------------------------------------------------- 4. trace teacher
+def leaf_of(item):
+    return item["categories"][0][-1].lower() if item["categories"] and item["categories"][0] else "none"
+
+
+def brand_of(item):
+    return item["brand"] if "brand" in item else (words(item["title"]) or ["none"])[0]
+
+
+def next_leaf_table(items, train_seqs):
+    """For every leaf, the leaf most often bought right after it in training sequences (the routine)."""
+    trans = defaultdict(Counter)
+    for s in train_seqs:
+        for a, b in zip(s, s[1:]):
+            trans[leaf_of(items[a])][leaf_of(items[b])] += 1
+    return {leaf: c.most_common(1)[0][0] for leaf, c in trans.items()}
+
+
+def evidence(items, history, cands, next_leaf):
+    """Per candidate (brand, category, next, top3): what the prompt lets anyone check."""
+    brands = Counter(brand_of(items[h]) for h in history)
+    leaves = Counter(leaf_of(items[h]) for h in history)
+    nxt = next_leaf.get(leaf_of(items[history[-1]]), "none")
+    return [(min(brands[brand_of(items[c])], 2), min(leaves[leaf_of(items[c])], 2),
+             int(leaf_of(items[c]) == nxt), int(pos < 3)) for pos, c in enumerate(cands)]
+
+
+def rank_by(ev, weights):
+    """Candidate positions sorted by score (high first), ties kept in retriever order."""
+    scores = [sum(w * f for w, f in zip(weights, e)) for e in ev]
+    return sorted(range(len(ev)), key=lambda p: -scores[p]), scores
+
+
+def teacher_trace(items, sid, history, cands, target, next_leaf, rng):
+    """(reasoning, answer) of a sampled strategy that puts the target first, or None when none does."""
+    ev = evidence(items, history, cands, next_leaf)
+    for name in rng.choice(list(STRATEGIES), size=len(STRATEGIES), replace=False, p=STRATEGY_PRIOR):
+        order, scores = rank_by(ev, STRATEGIES[name])
+        if cands[order[0]] == target:
+            last = leaf_of(items[history[-1]])
+            lines = [f"last {last} -> {next_leaf.get(last, 'none')} ; strategy {name}"]
+            lines += [f"{sid[c]} brand{b} cat{k} next{n} top{t} = {s} ;" for c, (b, k, n, t), s in zip(cands, ev, scores)]
+            return "<think>\n" + "\n".join(lines) + "\n</think>", "\n\n[" + "".join(sid[cands[p]] for p in order) + "]"
+    return None
+
+
+# ----------------------------------------------------------------------------- 5. prompts and tokenizer
+def item_line(item, sid, title_words):
+    return f"{sid} {' '.join(item['title'].split()[:title_words])} | {leaf_of(item)}"
+
+
+def prompt_text(items, sid, history, cands, title_words):
+    hist = " ;\n".join(item_line(items[h], sid[h], title_words) for h in history)
+    cand = " ;\n".join(item_line(items[c], sid[c], title_words) for c in cands)
+    return f"history :\n{hist}\ncandidates :\n{cand}\nrank the candidates ."
+
+
+def build_word_tokenizer(texts, sid_tokens, max_vocab=16000):
+    """A word-level tokenizer (lower-cased) over `texts`, with SID and special tokens as single tokens."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(SPECIALS + sid_tokens)
+    tok.train_from_iterator(texts, trainers.WordLevelTrainer(vocab_size=max_vocab, special_tokens=SPECIALS + sid_tokens))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<|endoftext|>",
+                                   eos_token="<|im_end|>", mask_token=MASK_TOKEN)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def load_hub_tokenizer(name, sid_tokens):
+    """A Qwen3 tokenizer (hub id or folder) with the mask token and the SID tokens added."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(name)
+    tok.add_special_tokens({"mask_token": MASK_TOKEN})  # [diffusion] id 151669 on Qwen3: a spare row
+    tok.add_tokens(sid_tokens)
+    return tok
+
+
+def tokenize(tok, prompt, reasoning, answer):
+    """prompt ids (chat template), response ids (reasoning + answer + eos) and the reasoning length."""
+    p = tok(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False).input_ids
+    r = tok(reasoning, add_special_tokens=False).input_ids
+    a = tok(answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    return p, r + a, len(r)
+
+
+# ----------------------------------------------------------------------------- 6. build everything
+def build(args, log=print):
+    d = SOURCE_DEFAULTS[args.source]
+    codebook, history_cap, title_words = (args.codebook or d["codebook"], args.history or d["history"],
+                                          args.title_words or d["title_words"])
+    if args.source == "synthetic":
+        raw_items, raw_users = make_synthetic(args.seed, args.users)
+        raw_dir = Path(args.tmp) / "raw"
+        write_jsonl_layout(raw_items, raw_users, raw_dir, "synthetic")
+        raw_items, raw_users = read_jsonl_layout(raw_dir)  # one code path for both sources
+    else:
+        raw_items, raw_users = load_catalogue(args.raw)
+    index = {it["item"]: i for i, it in enumerate(raw_items)}
+    items = raw_items
+    seqs = [[index[a] for a in u] for u in raw_users]
+    short = [i for i, s in enumerate(seqs) if len(s) < 3]
+    if short:
+        raise DataError(f"user #{short[0] + 1} has {len(seqs[short[0]])} items: leave-one-out needs at least 3")
+    log(f"catalogue: {len(seqs)} users, {len(items)} items, {sum(map(len, seqs))} interactions")
+
+    codes = semantic_ids(items, codebook, args.seed)
+    sid = [metrics.sid_str(*c) for c in codes]
+    sid_unique = len(set(sid)) / len(sid)
+    prefix_unique = len({tuple(c[:3]) for c in codes}) / len(codes)
+    log(f"semantic ids: codebook {codebook}, unique first 3 levels {prefix_unique:.3f}, full {sid_unique:.3f}")
+
+    train_seqs = [s[:-2] for s in seqs]  # only training positions feed the retriever and the teacher
+    retriever = CoocRetriever(len(items)).fit(train_seqs)
+    next_leaf = next_leaf_table(items, train_seqs)
+    splits = {"train": [(u, t) for u, s in enumerate(seqs) for t in range(1, len(s) - 2)],
+              "valid": [(u, len(s) - 2) for u, s in enumerate(seqs)],
+              "test": [(u, len(s) - 1) for u, s in enumerate(seqs)]}
+    rng = np.random.default_rng(args.seed)
+    data, stats_examples, kept, tried = {}, {}, 0, 0
+    for split, pairs in splits.items():
+        hists = [seqs[u][:t] for u, t in pairs]
+        own = [train_seqs[u] for u, _ in pairs] if split == "train" else None
+        tops = retriever.top_k(hists, 10, own)
+        if split == "test":
+            ranks = [top.index(seqs[u][t]) + 1 if seqs[u][t] in top else 0 for (u, t), top in zip(pairs, tops)]
+            recall10 = float(np.mean([r > 0 for r in ranks]))
+            ndcg10 = float(np.mean([1 / math.log2(r + 1) if r else 0 for r in ranks]))
+        rows = []
+        for (u, t), hist, cands in zip(pairs, hists, tops):
+            target = seqs[u][t]
+            if target not in cands:
+                continue
+            hist = hist[-history_cap:]
+            reasoning, answer = "", ""
+            if split == "train":
+                tried += 1
+                trace = teacher_trace(items, sid, hist, cands, target, next_leaf, rng)
+                if trace is None:
+                    continue
+                kept += 1
+                reasoning, answer = trace
+            rows.append({"id": f"{split}-u{u}-t{t}", "user": u, "history": hist, "candidates": cands,
+                         "target": target, "prompt": prompt_text(items, sid, hist, cands, title_words),
+                         "reasoning": reasoning, "answer": answer})
+        max_eval = d["max_eval"] if args.max_eval is None else args.max_eval
+        if split != "train" and max_eval and len(rows) > max_eval:  # a fixed, seeded subset keeps evaluation quick
+            rows = [rows[i] for i in sorted(np.random.default_rng(args.seed).choice(len(rows), max_eval, replace=False))]
+        data[split] = rows
+        stats_examples[split] = len(rows)
+        log(f"{split}: {len(pairs)} positions -> {len(rows)} re-rank examples")
+    log(f"retriever on the full test split: Recall@10 {recall10:.4f}  NDCG@10 {ndcg10:.4f}")
+
+    sid_tokens = [f"<{lv}_{j}>" for lv, n in zip("abcd", codes.max(0) + 1) for j in range(n)]
+    if args.tokenizer == "word":
+        corpus = [r["prompt"] + " " + r["reasoning"] + " " + r["answer"] for rows in data.values() for r in rows]
+        corpus += [item_line(it, "", title_words) for it in items]
+        tok = build_word_tokenizer(corpus + [" ".join(STRATEGIES) + " user assistant system"], sid_tokens)
+    else:
+        tok = load_hub_tokenizer(args.tokenizer, sid_tokens)
+    for rows in data.values():
+        for r in rows:
+            r["prompt_ids"], r["response_ids"], r["n_reasoning"] = tokenize(tok, r["prompt"], r["reasoning"], r["answer"])
+            if not r["reasoning"]:
+                r["response_ids"], r["n_reasoning"] = [], 0
+
+    floor = metrics.summarize(metrics.floor_rows(data["test"]))
+    train = data["train"]
+    evid = {}
+    for name, w in STRATEGIES.items():  # what each strategy alone would score on the test examples
+        ranked = [[ex["candidates"][p] for p in rank_by(evidence(items, ex["history"], ex["candidates"], next_leaf), w)[0]]
+                  for ex in data["test"]]
+        evid[name] = float(np.mean([r[0] == ex["target"] for r, ex in zip(ranked, data["test"])]))
+    stats = {"source": args.source, "users": len(seqs), "items": len(items), "interactions": sum(map(len, seqs)),
+             "sid_unique_rate": sid_unique, "sid_prefix_unique_rate": prefix_unique, "codebook": codebook,
+             "retriever_recall@10": recall10, "retriever_ndcg@10": ndcg10, "examples": stats_examples,
+             "teacher_kept_rate": kept / max(tried, 1),
+             "floor": {k: floor[k] for k in metrics.METRIC_KEYS},
+             "strategy_recall@1_test": evid,
+             "tokens": {"prompt_mean": float(np.mean([len(r["prompt_ids"]) for r in train])),
+                        "reasoning_mean": float(np.mean([r["n_reasoning"] for r in train])),
+                        "answer_mean": float(np.mean([len(r["response_ids"]) - r["n_reasoning"] for r in train]))},
+             "vocab_size": len(tok), "tokenizer": args.tokenizer, "seed": args.seed}
+    return data, items, sid, codes, tok, stats
+
+
+def save(out, data, items, sid, codes, tok, stats, tmp):
+    from datasets import Dataset, DatasetDict
+    DatasetDict({k: Dataset.from_list(v) for k, v in data.items()}).save_to_disk(str(Path(tmp) / "dataset"))
+    tok.save_pretrained(str(Path(tmp) / "tokenizer"))
+    with open(Path(tmp) / "items.jsonl", "w") as f:
+        for i, (it, s, c) in enumerate(zip(items, sid, codes)):
+            f.write(json.dumps({"index": i, "item": it["item"], "title": it["title"], "leaf": leaf_of(it),
+                                "brand": brand_of(it), "sid": s, "codes": c.tolist()}) + "\n")
+    with open(Path(tmp) / "stats.json", "w") as f:
+        json.dump(stats, f, indent=2)
+    if Path(out).exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)  # atomic: a reader sees the old directory or the complete new one
+
+
+def load_split(data_dir, split):
+    """One split as a list of dicts, plus the SID string of every item index."""
+    from datasets import load_from_disk
+    sid = [json.loads(line)["sid"] for line in open(Path(data_dir) / "items.jsonl")]
+    return load_from_disk(str(Path(data_dir) / "dataset"))[split], sid
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", choices=["synthetic", "beauty"], default="synthetic", help="which catalogue to build from")
+    ap.add_argument("--raw", help="directory of the real data (JSONL layout or McAuley's 2014 .json.gz files)")
+    ap.add_argument("--out", help="output directory (default data/<source>)")
+    ap.add_argument("--tokenizer", default="word", help="'word' builds a small word-level tokenizer; or a Qwen3 hub id / folder")
+    ap.add_argument("--seed", type=int, default=0, help="seed for the synthetic world, k-means and the teacher")
+    ap.add_argument("--users", type=int, default=8000, help="synthetic only: number of users")
+    ap.add_argument("--codebook", type=int, default=0, help="codes per SID level (0 = the source's default: 32 synthetic, 256 beauty)")
+    ap.add_argument("--history", type=int, default=0, help="history items shown in the prompt (0 = default: 5 synthetic, 6 beauty)")
+    ap.add_argument("--max-eval", type=int, default=None, help="cap on valid/test examples, a seeded subset (default: 1000 synthetic, all beauty)")
+    ap.add_argument("--title-words", type=int, default=0, help="words of each title shown (0 = default: 3 synthetic, 5 beauty)")
+    args = ap.parse_args(argv)
+    if args.source == "beauty" and not args.raw:
+        ap.error("--source beauty needs --raw DIR")
+    out = Path(args.out or f"data/{args.source}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args.tmp = str(out.parent / f".{out.name}.tmp{os.getpid()}")
+    print("config:", json.dumps({k: v for k, v in vars(args).items() if k != "tmp"}))
+    try:
+        built = build(args)
+        save(out, *built, tmp=args.tmp)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutil.rmtree(args.tmp, ignore_errors=True)
+    print(json.dumps(built[-1], indent=2))
+    print(f"wrote {out}/ (dataset, tokenizer, items.jsonl, stats.json)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

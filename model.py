@@ -1,0 +1,273 @@
+"""
+Qwen3 as an AR re-ranker and as a block-diffusion re-ranker: the one module every stage imports.
+
+The model is a stock `Qwen3ForCausalLM`; nothing of it is copied or subclassed. What turns it into a
+block-diffusion model is only (a) the attention mask we pass in, (b) the position ids, (c) a mask
+token in the input and (d) the loss. Every line that differs from plain AR is tagged `# [diffusion]`.
+
+Rows. A row is a sequence of segments, each token described by three integers (all (B, L) tensors):
+    seg  PAD | PROMPT | CLEAN (a response token we can see) | NOISY (a response token of x_t)
+    blk  the response block of the token: response offset // block_size (-1 for prompt and pad)
+    pos  its RoPE position id: 0..P-1 for the prompt, P..P+R-1 for the response
+One rule builds every mask we need from these (True = may attend):
+    PROMPT key:  a prompt query sees earlier prompt tokens (causal); every response query sees the prompt
+    CLEAN key:   a clean query sees clean blocks <= its own (so its own block, bidirectionally);
+                 a noisy query sees clean blocks < its own                  # [diffusion]
+    NOISY key:   only noisy queries of the same block (bidirectional inside x_t's block)  # [diffusion]
+With block_size = 1 the CLEAN rule is exactly causal attention: the AR model is the B = 1 case.
+
+Training layout (BD3-LM / Fast-dLLM v2; the paper does not say, so this is an assumption):
+    [ prompt (P) | x_t: noisy response (R) | x_0: clean response (R) | pad ]
+    positions [0..P-1 | P..P+R-1 | P..P+R-1]  -- duplicated, or RoPE silently breaks
+Token shift: the logit at position i-1 predicts token i, exactly as in the AR model. For response
+token r at offset j of its block the logit is read at
+    j > 0:  x_t position r-1 (same noisy block)
+    j = 0:  x_0 position r-1 (the last token of the clean previous block), or the last prompt token
+which is the same logit a KV-cached decoder uses (the prefill or the forward that committed block b-1).
+
+Masked-diffusion loss (per block b a noise level t_b ~ U(eps, 1); each response token of the block is
+masked with probability t_b; prompt and padding are never noised and never scored):
+    L = sum_{masked i} w_i * c_i * CE(logits_src(i), x_i) / sum_{masked i} w_i
+    w_i = lambda_r for reasoning tokens, lambda_o for answer tokens; c_i = 1/t_b when --inv-t
+The AR loss is the same with every response token scored from position i-1 under causal attention.
+"""
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+PAD, PROMPT, CLEAN, NOISY = 0, 1, 2, 3
+# The tiny default: sized so the whole synthetic pipeline trains on 2 CPU cores (about 1.2M parameters).
+TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, rope_theta=10000.0,
+            tie_word_embeddings=True, rms_norm_eps=1e-6)
+
+
+# ----------------------------------------------------------------------------- models and checkpoints
+def create_model(spec, tok, attn="sdpa", dtype=torch.float32, seed=0):
+    """An AR Qwen3 for `tok`: 'tiny' (random init from TINY), a hub id or a local folder.
+
+    The embedding gets a row for every token of `tok` (SIDs and the mask token included), so the
+    AR model and the converted block-diffusion model share one vocabulary.
+    """
+    torch.manual_seed(seed)
+    if spec == "tiny":
+        vocab = 64 * math.ceil(len(tok) / 64)
+        cfg = Qwen3Config(vocab_size=vocab, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                          bos_token_id=None, **TINY)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec, attn_implementation=attn, dtype=dtype, use_safetensors=True)
+        if len(tok) > model.config.vocab_size:
+            model.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
+    return model
+
+
+def init_mask_embedding(model, mask_id, n_real):  # [diffusion]
+    """Set the mask token's input embedding to the mean of the real tokens' rows (it was never trained)."""
+    emb = model.get_input_embeddings().weight
+    with torch.no_grad():
+        keep = torch.ones(n_real, dtype=torch.bool)
+        keep[mask_id] = False
+        emb[mask_id] = emb[:n_real][keep].mean(0)
+
+
+def save_checkpoint(path, model, tok, stage, extra=None):
+    """Save the HF way (safetensors + tokenizer + stage.json), atomically: a temp folder, then a swap."""
+    path = Path(path)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    (tmp / "stage.json").write_text(json.dumps({**stage, "saved": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2))
+    if extra is not None:  # training state for --resume: tensors and numbers only (loaded with weights_only)
+        torch.save(extra, tmp / "trainer.pt")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(path, attn="sdpa", dtype=torch.float32):
+    """(model, tokenizer, stage dict) from a folder written by save_checkpoint; never unpickles code."""
+    path = Path(path)
+    if not (path / "stage.json").exists():
+        raise FileNotFoundError(f"{path}: not a checkpoint of this project (no stage.json)")
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=dtype, use_safetensors=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    return model, tok, json.loads((path / "stage.json").read_text())
+
+
+def load_trainer_state(path):
+    """The optimizer/step/rng state saved next to a checkpoint, or None."""
+    f = Path(path) / "trainer.pt"
+    return torch.load(f, weights_only=True) if f.exists() else None
+
+
+def lr_at(step, total, peak, warmup):
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ----------------------------------------------------------------------------- rows and masks
+def attention_mask(q, k):
+    """(B, 1, Q, K) bool mask, True = attend, from the (seg, blk, pos) descriptors of queries and keys."""
+    sq, bq, pq = (t[:, :, None] for t in q)
+    sk, bk, pk = (t[:, None, :] for t in k)
+    see_prompt = (sk == PROMPT) & (((sq == PROMPT) & (pk <= pq)) | (sq == CLEAN) | (sq == NOISY))
+    see_clean = (sk == CLEAN) & (((sq == CLEAN) & (bk <= bq)) | ((sq == NOISY) & (bk < bq)))  # [diffusion] blocks
+    see_noisy = (sk == NOISY) & (sq == NOISY) & (bk == bq)  # [diffusion] x_t block sees itself only
+    pad_self = (sq == PAD) & (sk == PAD)  # a pad query needs some key, or a kernel may return NaN
+    return (see_prompt | see_clean | see_noisy | pad_self)[:, None]
+
+
+def for_attention(mask, model):
+    """sdpa takes the bool mask; eager *adds* the mask to the scores, so it needs 0 / dtype-min."""
+    if model.config._attn_implementation == "eager":
+        dtype = model.dtype
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
+
+
+def build_rows(prompts, responses, block, noisy=None, pad_id=0):
+    """Right-padded rows [prompt | (noisy response) | response | pad] and their descriptors.
+
+    prompts, responses, noisy: lists of token-id lists (noisy[i] has len(responses[i])). Returns a dict
+    of (B, L) tensors ids/seg/blk/pos and per row the column where each segment starts.
+    """
+    rows, descs, starts = [], [], []
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        P, R = len(p), len(r)
+        rblk = [j // block for j in range(R)]
+        ids, seg, blk, pos = list(p), [PROMPT] * P, [-1] * P, list(range(P))
+        noisy_start = None
+        if noisy is not None:  # [diffusion] x_t before x_0, same positions
+            noisy_start = len(ids)
+            ids += noisy[i]; seg += [NOISY] * R; blk += rblk; pos += list(range(P, P + R))
+        clean_start = len(ids)
+        ids += r; seg += [CLEAN] * R; blk += rblk; pos += list(range(P, P + R))
+        rows.append((ids, seg, blk, pos))
+        starts.append((P, noisy_start, clean_start))
+    L = max(len(r[0]) for r in rows)
+    fill = (pad_id, PAD, -1, 0)
+    out = {name: torch.tensor([r[j] + [fill[j]] * (L - len(r[j])) for r in rows])
+           for j, name in enumerate(("ids", "seg", "blk", "pos"))}
+    out["starts"] = starts
+    return out
+
+
+def target_sources(rows, lengths, block):
+    """For every response token, the column whose logit predicts it (token shift; see the docstring).
+
+    Returns (B, Rmax) long columns and a (B, Rmax) bool mask of real tokens.
+    """
+    Rmax = max(lengths)
+    src = torch.zeros(len(lengths), Rmax, dtype=torch.long)
+    real = torch.zeros(len(lengths), Rmax, dtype=torch.bool)
+    for i, ((P, noisy_start, clean_start), R) in enumerate(zip(rows["starts"], lengths)):
+        r = torch.arange(R)
+        if noisy_start is None:  # plain row: position i-1 predicts i
+            col = clean_start + r - 1
+        else:  # [diffusion] inside a block from x_t, at a block's first token from x_0's previous block
+            col = torch.where(r % block != 0, noisy_start + r - 1, clean_start + r - 1)
+        col[0] = P - 1  # the first response token is predicted by the last prompt token
+        src[i, :R], real[i, :R] = col, True
+    return src, real
+
+
+def hidden_states(model, rows, cache=None):
+    """Final hidden states (B, L, H) of a forward over `rows` with our mask and explicit positions."""
+    mask = attention_mask((rows["seg"], rows["blk"], rows["pos"]), (rows["seg"], rows["blk"], rows["pos"]))
+    out = model.model(input_ids=rows["ids"], attention_mask=for_attention(mask, model), position_ids=rows["pos"])
+    return out.last_hidden_state
+
+
+def gather_logits(model, hidden, cols):
+    """Logits (N, V) at hidden[b, col] for a list of (b, col): the LM head only where it is needed."""
+    return model.lm_head(hidden[cols[0], cols[1]]).float()
+
+
+def token_weights(lengths, n_reasoning, lam_r, lam_o):
+    """(B, Rmax) weight of each response token: lambda_r for reasoning, lambda_o for the answer."""
+    w = torch.zeros(len(lengths), max(lengths))
+    for i, (R, nr) in enumerate(zip(lengths, n_reasoning)):
+        w[i, :nr], w[i, nr:R] = lam_r, lam_o
+    return w
+
+
+# ----------------------------------------------------------------------------- losses
+def ar_loss(model, batch, lam_r=0.5, lam_o=1.0, pad_id=0):
+    """Weighted causal-LM loss on the response only. batch: dict with prompt_ids, response_ids, n_reasoning."""
+    prompts, responses = batch["prompt_ids"], batch["response_ids"]
+    lengths = [len(r) for r in responses]
+    rows = build_rows(prompts, responses, block=1, pad_id=pad_id)  # block 1 = causal attention
+    src, real = target_sources(rows, lengths, 1)
+    w = token_weights(lengths, batch["n_reasoning"], lam_r, lam_o)
+    b, j = real.nonzero(as_tuple=True)
+    logits = gather_logits(model, hidden_states(model, rows), (b, src[b, j]))
+    targets = torch.tensor([responses[bi][ji] for bi, ji in zip(b.tolist(), j.tolist())])
+    ce = F.cross_entropy(logits, targets, reduction="none")
+    return (w[b, j] * ce).sum() / w[b, j].sum()
+
+
+def pad_to_block(response, block, eos_id):  # [diffusion]
+    """A response padded with eos to a whole number of blocks (the model learns to fill the tail)."""
+    return list(response) + [eos_id] * (-len(response) % block)
+
+
+def sample_noise(lengths, block, eps=1e-3, per="block", generator=None):  # [diffusion]
+    """(masked, t): which response tokens are masked and the noise level t of each token's block/row."""
+    Rmax = max(lengths)
+    nblk = math.ceil(Rmax / block)
+    if per == "block":
+        t = torch.rand(len(lengths), nblk, generator=generator).repeat_interleave(block, 1)[:, :Rmax]
+    else:  # one level for the whole response
+        t = torch.rand(len(lengths), 1, generator=generator).expand(len(lengths), Rmax)
+    t = eps + (1 - eps) * t
+    masked = torch.rand(len(lengths), Rmax, generator=generator) < t
+    real = torch.arange(Rmax)[None] < torch.tensor(lengths)[:, None]
+    return masked & real, t
+
+
+def diffusion_loss(model, batch, block, mask_id, eos_id, lam_r=0.5, lam_o=1.0, eps=1e-3, noise_per="block",
+                   inv_t=False, complementary=True, masked=None, pad_id=0, generator=None):  # [diffusion]
+    """Masked-diffusion loss of the module docstring on a batch (same dict as ar_loss).
+
+    `masked` (B, Rmax) fixes the noise (tests); otherwise it is sampled. With complementary=True each
+    row is also trained with the inverted mask, so every response token is a target once per pair.
+    Returns (loss, number of scored tokens).
+    """
+    responses = [pad_to_block(r, block, eos_id) for r in batch["response_ids"]]
+    prompts, n_reasoning = list(batch["prompt_ids"]), list(batch["n_reasoning"])
+    lengths = [len(r) for r in responses]
+    if masked is None:
+        masked, t = sample_noise(lengths, block, eps, noise_per, generator)
+    else:
+        t = torch.ones(masked.shape)
+    real = torch.arange(masked.shape[1])[None] < torch.tensor(lengths)[:, None]
+    masked = masked & real  # prompt and padding are never noised, never scored
+    if complementary:
+        masked, t = torch.cat([masked, ~masked & real]), torch.cat([t, 1 - t + eps])
+        prompts, responses, lengths, n_reasoning = prompts * 2, responses * 2, lengths * 2, n_reasoning * 2
+    noisy = [[mask_id if masked[i, j] else tok for j, tok in enumerate(r)] for i, r in enumerate(responses)]
+    rows = build_rows(prompts, responses, block, noisy=noisy, pad_id=pad_id)
+    src, _ = target_sources(rows, lengths, block)
+    w = token_weights(lengths, n_reasoning, lam_r, lam_o)
+    b, j = masked.nonzero(as_tuple=True)
+    if len(b) == 0:
+        return torch.zeros((), requires_grad=True), 0
+    logits = gather_logits(model, hidden_states(model, rows), (b, src[b, j]))
+    targets = torch.tensor([responses[bi][ji] for bi, ji in zip(b.tolist(), j.tolist())])
+    ce = F.cross_entropy(logits, targets, reduction="none")
+    scale = w[b, j] / t[b, j] if inv_t else w[b, j]  # assumption: no 1/t weight by default (as Fast-dLLM v2)
+    return (scale * ce).sum() / w[b, j].sum(), len(b)

@@ -1,0 +1,83 @@
+"""decode.py: exact equivalences of the cached decoders, the step map and its replay."""
+import torch
+
+from conftest import EOS, MASK, PAD, random_prompts, tiny
+from decode import ar_generate, diffusion_generate, replay_logits, replay_rows
+
+
+def gen(model, prompts, block, tau, max_new=24, **kw):
+    return diffusion_generate(model, prompts, block, tau, max_new, MASK, EOS, PAD, **kw)
+
+
+def test_block_size_one_is_ar_greedy(attn):
+    model = tiny(attn, sharpen=4.0)
+    prompts = random_prompts(3)
+    ar = ar_generate(model, prompts, 20, EOS, PAD)
+    bd = gen(model, prompts, block=1, tau=0.9, max_new=20)
+    assert bd.tokens == ar.tokens
+    assert bd.nfe == ar.nfe  # with B = 1 every forward is a commit forward: exactly AR's count
+
+
+def test_cache_and_no_cache_decode_the_same(attn):
+    model = tiny(attn, sharpen=30.0)  # confident logits: several commits per step
+    prompts = random_prompts(3, 4, 14)
+    a = gen(model, prompts, block=4, tau=0.7)
+    b = gen(model, prompts, block=4, tau=0.7, use_cache=False)
+    assert a.tokens == b.tokens and a.steps == b.steps
+    assert max(a.nfe) < 1 + 24 + 6  # parallel commits really happened
+
+
+def test_tau_one_commits_exactly_one_token_per_forward():
+    model = tiny(sharpen=100.0)  # float32 softmax saturates at exactly 1.0 here
+    out = gen(model, random_prompts(2), block=4, tau=1.0)
+    for steps in out.steps:
+        for b in range(0, len(steps), 4):
+            done = sorted(s for s in steps[b:b + 4] if s >= 0)
+            assert done == list(range(len(done)))  # one commit per step, no step twice
+
+
+def test_batch_equals_one_by_one():
+    model = tiny(sharpen=30.0)
+    prompts = random_prompts(4, 3, 15)
+    batch = gen(model, prompts, block=4, tau=0.8)
+    for i, p in enumerate(prompts):
+        one = gen(model, [p], block=4, tau=0.8)
+        assert one.tokens[0] == batch.tokens[i] and one.steps[0] == batch.steps[i]
+
+
+def test_ar_batch_equals_one_by_one():
+    model = tiny(sharpen=4.0)
+    prompts = random_prompts(3, 3, 15)
+    batch = ar_generate(model, prompts, 12, EOS, PAD)
+    for i, p in enumerate(prompts):
+        assert ar_generate(model, [p], 12, EOS, PAD).tokens[0] == batch.tokens[i]
+
+
+def test_replay_canvases_mask_exactly_the_uncommitted_positions():
+    model = tiny(sharpen=30.0)
+    out = gen(model, random_prompts(1), block=4, tau=0.7)
+    canvas, steps = out.canvas[0], out.steps[0]
+    noisy, targets = replay_rows(None, canvas, steps, 4, MASK)
+    for s, (row, tg) in enumerate(zip(noisy, targets)):
+        for r, (tok, st) in enumerate(zip(row, steps)):
+            assert (tok == MASK) == (st < 0 or st >= s)
+        assert tg == [r for r, st in enumerate(steps) if st == s]
+
+
+def test_replay_logits_equal_the_decoders_logits_at_commit_time(attn):
+    model = tiny(attn, sharpen=30.0)
+    prompts = random_prompts(2, 5, 12)
+    seen = {}
+
+    def record(b, s, canvas, commit, pred):
+        for i, j in commit.nonzero().tolist():
+            seen[(i, b * 4 + j)] = pred[i, j].clone()
+
+    out = gen(model, prompts, block=4, tau=0.7, on_step=record)
+    keep = [len(t) for t in out.tokens]
+    logits, order = replay_logits(model, prompts, out.canvas, out.steps, 4, MASK, keep, pad_id=PAD)
+    assert len(order) == sum(keep)
+    for row, key in zip(logits, order):
+        ref = seen[key]
+        ok = torch.isfinite(ref)
+        assert (row[ok] - ref[ok]).abs().max() <= 1e-4
