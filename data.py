@@ -50,12 +50,13 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Per-source defaults: the synthetic task is sized for fast learning on a CPU.
-SOURCE_DEFAULTS = {"synthetic": dict(codebook=32, history=5, title_words=3, max_eval=1000),
+SOURCE_DEFAULTS = {"synthetic": dict(codebook=256, history=5, title_words=3, max_eval=1000),
                    "beauty": dict(codebook=256, history=6, title_words=5, max_eval=0)}
 # Strategies of the trace teacher: weights of (brand, category, next-in-routine, retriever top-3).
 STRATEGIES = {"routine": (2, 0, 4, 1), "brand": (4, 0, 1, 2), "retriever": (1, 0, 1, 4), "taste": (1, 3, 1, 1)}
-# assumption: how often the teacher tries each strategy first (the paper's LLM teacher had its own habits).
-STRATEGY_PRIOR = (0.5, 0.2, 0.2, 0.1)
+# assumption: how often the teacher tries each strategy first (an LLM teacher has habits too); mostly the
+# strongest one, so a small model sees one way of reasoning most of the time.
+STRATEGY_PRIOR = (0.85, 0.05, 0.05, 0.05)
 
 
 class DataError(ValueError):
@@ -365,11 +366,12 @@ def next_leaf_table(items, train_seqs):
 
 
 def evidence(items, history, cands, next_leaf):
-    """Per candidate (brand, category, next, top3): what the prompt lets anyone check."""
+    """Per candidate: (history items of its brand, capped at 2; its category in the history, 0/1;
+    its category is the routine's next, 0/1; in the retriever's top 3, 0/1). All checkable in the prompt."""
     brands = Counter(brand_of(items[h]) for h in history)
     leaves = Counter(leaf_of(items[h]) for h in history)
     nxt = next_leaf.get(leaf_of(items[history[-1]]), "none")
-    return [(min(brands[brand_of(items[c])], 2), min(leaves[leaf_of(items[c])], 2),
+    return [(min(brands[brand_of(items[c])], 2), min(leaves[leaf_of(items[c])], 1),
              int(leaf_of(items[c]) == nxt), int(pos < 3)) for pos, c in enumerate(cands)]
 
 
@@ -387,7 +389,9 @@ def teacher_trace(items, sid, history, cands, target, next_leaf, rng):
         if cands[order[0]] == target:
             last = leaf_of(items[history[-1]])
             lines = [f"last {last} -> {next_leaf.get(last, 'none')} ; strategy {name}"]
-            lines += [f"{sid[c]} brand{b} cat{k} next{n} top{t} = {s} ;" for c, (b, k, n, t), s in zip(cands, ev, scores)]
+            lines += [f"c{p + 1} {brand_of(items[c])} {leaf_of(items[c])} brand{b} cat{k} next{n} top{t} = {s} ;"
+                      for p, (c, (b, k, n, t), s) in enumerate(zip(cands, ev, scores))]
+            lines += ["ranking :"] + [f"{scores[p]} c{p + 1} {sid[cands[p]]} ;" for p in order]
             return "<think>\n" + "\n".join(lines) + "\n</think>", "\n\n[" + "".join(sid[cands[p]] for p in order) + "]"
     return None
 
@@ -399,19 +403,27 @@ def item_line(item, sid, title_words):
 
 def prompt_text(items, sid, history, cands, title_words):
     hist = " ;\n".join(item_line(items[h], sid[h], title_words) for h in history)
-    cand = " ;\n".join(item_line(items[c], sid[c], title_words) for c in cands)
+    cand = " ;\n".join(f"c{p + 1} " + item_line(items[c], sid[c], title_words) for p, c in enumerate(cands))
     return f"history :\n{hist}\ncandidates :\n{cand}\nrank the candidates ."
 
 
 def build_word_tokenizer(texts, sid_tokens, max_vocab=16000):
-    """A word-level tokenizer (lower-cased) over `texts`, with SID and special tokens as single tokens."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    """A word-level tokenizer (lower-cased) over `texts`, with SID and special tokens as single tokens.
+
+    Ids: the special tokens first, then the SID tokens, then words by frequency (ties alphabetical).
+    """
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    split = pre_tokenizers.Whitespace()
+    specials = SPECIALS + sid_tokens
+    pattern = re.compile("|".join(re.escape(t) for t in specials))
+    counts = Counter(w for text in texts for piece in pattern.split(text.lower()) for w, _ in split.pre_tokenize_str(piece))
+    words_ = sorted((w for w in counts if w not in specials), key=lambda w: (-counts[w], w))
+    vocab = {t: i for i, t in enumerate(specials + words_[:max_vocab - len(specials)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(SPECIALS + sid_tokens)
-    tok.train_from_iterator(texts, trainers.WordLevelTrainer(vocab_size=max_vocab, special_tokens=SPECIALS + sid_tokens))
+    tok.pre_tokenizer = split
+    tok.add_special_tokens(specials)  # already in the vocab: this only stops them being split
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<|endoftext|>",
                                    eos_token="<|im_end|>", mask_token=MASK_TOKEN)
     fast.chat_template = CHAT_TEMPLATE
@@ -505,7 +517,8 @@ def build(args, log=print):
 
     sid_tokens = [f"<{lv}_{j}>" for lv, n in zip("abcd", codes.max(0) + 1) for j in range(n)]
     if args.tokenizer == "word":
-        corpus = [r["prompt"] + " " + r["reasoning"] + " " + r["answer"] for rows in data.values() for r in rows]
+        # the vocabulary comes from training text and item metadata only: nothing of valid/test moves an id
+        corpus = [r["prompt"] + " " + r["reasoning"] + " " + r["answer"] for r in data["train"]]
         corpus += [item_line(it, "", title_words) for it in items]
         tok = build_word_tokenizer(corpus + [" ".join(STRATEGIES) + " user assistant system"], sid_tokens)
     else:
@@ -551,11 +564,35 @@ def save(out, data, items, sid, codes, tok, stats, tmp):
     os.replace(tmp, out)  # atomic: a reader sees the old directory or the complete new one
 
 
-def load_split(data_dir, split):
-    """One split as a list of dicts, plus the SID string of every item index."""
+# ----------------------------------------------------------------------------- readers for the stages
+def load_split(data_dir, split, n=0):
+    """The first n (0 = all) examples of one split as a list of dicts, and the SID string of every item."""
     from datasets import load_from_disk
-    sid = [json.loads(line)["sid"] for line in open(Path(data_dir) / "items.jsonl")]
-    return load_from_disk(str(Path(data_dir) / "dataset"))[split], sid
+    path = Path(data_dir)
+    if not (path / "dataset").exists():
+        raise DataError(f"{path}: no dataset here (run `python data.py --out {path}` first)")
+    sid = [json.loads(line)["sid"] for line in open(path / "items.jsonl")]
+    ds = load_from_disk(str(path / "dataset"))[split]
+    return list(ds.select(range(min(n, len(ds)))) if n else ds), sid
+
+
+def batch_indices(step, n, batch_size, seed):
+    """The example indices of training step `step`: seeded epochs, so a resumed run sees the same batches."""
+    per_epoch = max(1, n // batch_size)
+    epoch, k = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    return perm[k * batch_size:(k + 1) * batch_size].tolist()
+
+
+def collate(examples):
+    """The columns a loss needs, as lists."""
+    return {k: [ex[k] for ex in examples] for k in ("prompt_ids", "response_ids", "n_reasoning")}
+
+
+def max_new_tokens(train, block=32):
+    """Decoding budget: 1.25x the longest training response, in whole blocks."""
+    longest = max(len(ex["response_ids"]) for ex in train)
+    return block * math.ceil(1.25 * longest / block)
 
 
 def main(argv=None):
@@ -566,7 +603,7 @@ def main(argv=None):
     ap.add_argument("--tokenizer", default="word", help="'word' builds a small word-level tokenizer; or a Qwen3 hub id / folder")
     ap.add_argument("--seed", type=int, default=0, help="seed for the synthetic world, k-means and the teacher")
     ap.add_argument("--users", type=int, default=8000, help="synthetic only: number of users")
-    ap.add_argument("--codebook", type=int, default=0, help="codes per SID level (0 = the source's default: 32 synthetic, 256 beauty)")
+    ap.add_argument("--codebook", type=int, default=0, help="codes per SID level (0 = 256, TIGER's size)")
     ap.add_argument("--history", type=int, default=0, help="history items shown in the prompt (0 = default: 5 synthetic, 6 beauty)")
     ap.add_argument("--max-eval", type=int, default=None, help="cap on valid/test examples, a seeded subset (default: 1000 synthetic, all beauty)")
     ap.add_argument("--title-words", type=int, default=0, help="words of each title shown (0 = default: 3 synthetic, 5 beauty)")

@@ -46,6 +46,11 @@ class Rollout:
     steps: list = None            # [diffusion] step of its block at which each canvas position was committed (-1: never)
     nfe: list = field(default_factory=list)  # forward passes each row took part in (prefill included)
 
+    def select(self, idx):
+        """The rollouts at positions idx (for chunked backward passes)."""
+        pick = lambda xs: None if xs is None else [xs[i] for i in idx]
+        return Rollout(pick(self.tokens), pick(self.canvas), pick(self.steps), pick(self.nfe))
+
 
 def left_pad(prompts, pad_id):
     """Prompts right-aligned in a (B, P) tensor, so every row's response starts at the same column."""
@@ -60,8 +65,9 @@ class CachedModel:
     """A model, its DynamicCache, and the descriptors of what the cache holds (to build each mask)."""
 
     def __init__(self, model, prompts, pad_id):
-        self.model, self.cache = model, DynamicCache(config=model.config)
-        self.prompt_ids, self.prompt_desc, self.prompt_len = left_pad(prompts, pad_id)
+        self.model, self.cache, dev = model, DynamicCache(config=model.config), model.device
+        ids, desc, lengths = left_pad(prompts, pad_id)
+        self.prompt_ids, self.prompt_desc, self.prompt_len = ids.to(dev), tuple(t.to(dev) for t in desc), lengths.to(dev)
         self.keys = tuple(t[:, :0] for t in self.prompt_desc)
         self.edge = self.forward(self.prompt_ids, self.prompt_desc, keep=True)[:, -1]  # predicts response token 0
 
@@ -79,9 +85,9 @@ class CachedModel:
 
     def response_desc(self, start, n, block):
         """Descriptors of response positions start..start+n-1 (clean, block-causal)."""
-        r = torch.arange(start, start + n)
+        r = torch.arange(start, start + n, device=self.prompt_len.device)
         B = len(self.prompt_len)
-        return (torch.full((B, n), CLEAN), (r // block).expand(B, n), self.prompt_len[:, None] + r[None])
+        return (torch.full((B, n), CLEAN, device=r.device), (r // block).expand(B, n), self.prompt_len[:, None] + r[None])
 
     def recompute(self, response, block):
         """No cache: logits predicting response tokens 0..n-1 (token shift), from one full forward."""
@@ -109,7 +115,7 @@ def ar_generate(model, prompts, max_new, eos_id, pad_id, temperature=0.0, genera
     """Plain AR decoding with a KV cache: one token per forward."""
     state = CachedModel(model, prompts, pad_id)
     B = len(prompts)
-    out, done, nfe = [[] for _ in range(B)], torch.zeros(B, dtype=torch.bool), [1] * B
+    out, done, nfe = [[] for _ in range(B)], torch.zeros(B, dtype=torch.bool, device=model.device), [1] * B
     logits = state.edge
     for r in range(max_new):
         tok, _ = pick(logits, temperature, generator)
@@ -134,10 +140,11 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
     """
     B, n_blocks = len(prompts), -(-max_new // block)
     state = CachedModel(model, prompts, pad_id)
-    canvas = torch.full((B, n_blocks * block), mask_id)
-    steps = torch.full((B, n_blocks * block), -1)
-    done = torch.zeros(B, dtype=torch.bool)
-    nfe = torch.ones(B, dtype=torch.long)
+    dev = model.device  # the decoding state lives where the model does
+    canvas = torch.full((B, n_blocks * block), mask_id, device=dev)
+    steps = torch.full((B, n_blocks * block), -1, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    nfe = torch.ones(B, dtype=torch.long, device=dev)
     for b in range(n_blocks):
         lo, hi = b * block, (b + 1) * block
         desc = state.response_desc(lo, block, block)
@@ -158,7 +165,7 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
             tok, conf = pick(pred, temperature, generator)
             conf = torch.where(masked, conf, -1.0)
             commit = (conf >= tau) & masked if tau < 1.0 else torch.zeros_like(masked)
-            commit[torch.arange(B), conf.argmax(1)] |= masked.any(1)  # at least the most confident one
+            commit[torch.arange(B, device=dev), conf.argmax(1)] |= masked.any(1)  # at least the most confident one
             canvas[:, lo:hi] = torch.where(commit, tok, canvas[:, lo:hi])
             steps[:, lo:hi] = torch.where(commit, s, steps[:, lo:hi])
             done |= finished(canvas[:, :hi], mask_id, eos_id)
@@ -181,7 +188,7 @@ def finished(canvas, mask_id, eos_id):
     """Rows whose first end token is committed and every position before it is filled."""
     is_eos = canvas == eos_id
     first = torch.where(is_eos.any(1), is_eos.float().argmax(1), canvas.shape[1])
-    before = torch.arange(canvas.shape[1])[None] < first[:, None]
+    before = torch.arange(canvas.shape[1], device=canvas.device)[None] < first[:, None]
     return is_eos.any(1) & ~((canvas == mask_id) & before).any(1)
 
 
@@ -221,3 +228,178 @@ def replay_logits(model, prompts, canvases, steps, block, mask_id, keep, pad_id=
     logits = gather_logits(model, hidden_states(model, rows), (b, src[b, r]))
     order = [(i, x) for i, tg in where for x in tg]
     return logits, order
+
+
+# ----------------------------------------------------------------------------- decode and score a split
+def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_size=32, temperature=0.0,
+             generator=None, progress=False):
+    """Decode `prompts` in length-sorted batches; returns a Rollout in the input order and the seconds taken."""
+    from tqdm import tqdm
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    parts, t0 = {}, time.perf_counter()
+    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    for idx in tqdm(batches, desc=f"decode {mode}" + (f" tau={tau}" if mode == "diffusion" else ""),
+                    disable=not progress, leave=False):
+        batch = [prompts[i] for i in idx]
+        if mode == "ar":
+            out = ar_generate(model, batch, max_new, tok.eos_token_id, tok.pad_token_id, temperature, generator)
+        else:
+            out = diffusion_generate(model, batch, block, tau, max_new, tok.mask_token_id, tok.eos_token_id,
+                                     tok.pad_token_id, temperature, generator)
+        for k, i in enumerate(idx):
+            parts[i] = (out.tokens[k], out.canvas[k] if out.canvas else None, out.steps[k] if out.steps else None, out.nfe[k])
+    seconds = time.perf_counter() - t0
+    cols = list(zip(*[parts[i] for i in range(len(prompts))]))
+    return Rollout(tokens=list(cols[0]), canvas=list(cols[1]), steps=list(cols[2]), nfe=list(cols[3])), seconds
+
+
+@torch.no_grad()
+def evaluate(model, tok, examples, sid, mode, block=32, tau=1.0, max_new=256, batch_size=32, progress=False):
+    """Decode `examples` greedily and score them: (summary dict, per-example rows, texts, rollout)."""
+    model.eval()
+    out, seconds = generate(model, tok, [ex["prompt_ids"] for ex in examples], mode, block, tau, max_new,
+                            batch_size, progress=progress)
+    texts = [tok.decode(t, skip_special_tokens=False) for t in out.tokens]
+    rows = metrics.score_responses(texts, examples, sid)
+    summary = metrics.summarize(rows)
+    n_tok = sum(len(t) for t in out.tokens)
+    summary.update(tokens_per_forward=n_tok / max(1, sum(out.nfe)), tokens_per_s=n_tok / max(seconds, 1e-9),
+                   seconds=seconds, mean_length=n_tok / max(1, len(examples)))
+    return summary, rows, texts, out
+
+
+def validate(model, tok, valid, sid, mode, block, max_new, batch):
+    """The training-time check: valid rate and Recall@1 of greedy decoding (and, for diffusion, at tau = 0.9).
+
+    Returns the numbers and the tau = 1.0 / AR responses (rl.py scores its held-out reward on them).
+    """
+    q, _, texts, _ = evaluate(model, tok, valid, sid, mode, block, 1.0, max_new, batch)
+    res = {"val_valid_rate": q["valid_rate"], "val_recall1": q["recall@1"]}
+    if mode == "diffusion":
+        f, *_ = evaluate(model, tok, valid, sid, mode, block, 0.9, max_new, batch)
+        res.update({"val_valid_rate_0.9": f["valid_rate"], "val_recall1_0.9": f["recall@1"],
+                    "val_tokens_per_forward_0.9": f["tokens_per_forward"]})
+    return res, texts
+
+
+# ----------------------------------------------------------------------------- benchmark
+@torch.no_grad()
+def forward_cost_ratio(model, prompt, block, repeats=20):
+    """Seconds of one B-token block forward over one 1-token AR step, both against the same cached prompt."""
+    state = CachedModel(model, [prompt], 0)
+    times = {}
+    for n in (1, block, 1, block):  # alternate, keep the second round (warm)
+        desc = state.response_desc(0, n, n)
+        ids = torch.zeros(1, n, dtype=torch.long, device=model.device)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            state.forward(ids, desc, keep=False)
+        times[n] = (time.perf_counter() - t0) / repeats
+    return times[block] / times[1]
+
+
+def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, max_new, log=print):
+    """Decode the same prompts with AR and with block diffusion at each tau, interleaved chunk by chunk
+    so that every decoder sees the same machine load. Returns the rows of the speed table."""
+    configs = [("ar", None, None)] + [("diffusion", t, b) for b in blocks for t in taus]
+    rows = []
+    for bs in batch_sizes:
+        acc = {c: {"tokens": 0, "nfe": 0, "seconds": 0.0, "texts": []} for c in configs}
+        for s in range(0, len(examples), bs):
+            prompts = [ex["prompt_ids"] for ex in examples[s:s + bs]]
+            for c in configs:  # interleaved: AR, then every tau, on this chunk
+                model = ar_model if c[0] == "ar" else diff_model
+                out, sec = generate(model, tok, prompts, c[0], c[2] or 32, c[1] or 1.0, max_new, bs)
+                a = acc[c]
+                a["tokens"] += sum(map(len, out.tokens)); a["nfe"] += sum(out.nfe); a["seconds"] += sec
+                a["texts"] += [tok.decode(t) for t in out.tokens]
+        ar_speed = acc[configs[0]]["tokens"] / acc[configs[0]]["seconds"]
+        for c in configs:
+            a = acc[c]
+            q = metrics.summarize(metrics.score_responses(a["texts"], examples, sid))
+            rows.append({"decoder": c[0], "tau": c[1], "block": c[2], "batch": bs, "n": len(examples),
+                         "tokens_per_s": a["tokens"] / a["seconds"], "tokens_per_forward": a["tokens"] / a["nfe"],
+                         "speedup": a["tokens"] / a["seconds"] / ar_speed, "valid_rate": q["valid_rate"],
+                         "recall@1": q["recall@1"], "ndcg@3": q["ndcg@3"], "mean_length": a["tokens"] / len(examples)})
+            log(format_row(rows[-1]))
+    return rows
+
+
+def format_row(r):
+    name = "AR" if r["decoder"] == "ar" else f"diffusion B={r['block']} tau={r['tau']}"
+    return (f"{name:<26} batch {r['batch']:>3} | {r['tokens_per_s']:8.1f} tok/s | {r['tokens_per_forward']:5.2f} tok/fwd | "
+            f"speed-up {r['speedup']:5.2f}x | valid {r['valid_rate']:.3f} | R@1 {r['recall@1']:.3f}")
+
+
+# ----------------------------------------------------------------------------- viewer
+def show(model, tok, example, block, tau, max_new):
+    """Print one example being denoised: masks as '·', new commits highlighted, steps per block."""
+    tty = sys.stdout.isatty()
+    new = (lambda w: f"\033[1;32m{w}\033[0m") if tty else (lambda w: f"*{w}*")
+    words = lambda ids: [tok.convert_ids_to_tokens(i) for i in ids]
+    print(tok.decode(example["prompt_ids"]), "\n")
+    per_block = {}
+
+    def on_step(b, s, canvas, commit, logits):
+        lo = b * block
+        shown = [("·" if t == tok.mask_token_id else (new(w) if commit[0, lo + j] else w))
+                 for j, (t, w) in enumerate(zip(canvas[0, lo:].tolist(), words(canvas[0, lo:].tolist())))]
+        print(f"block {b} step {s:2d} +{int(commit[0].sum())}: " + " ".join(shown))
+        per_block[b] = s + 1
+
+    out = diffusion_generate(model, [example["prompt_ids"]], block, tau, max_new, tok.mask_token_id, tok.eos_token_id,
+                             tok.pad_token_id, on_step=on_step)
+    n = len(out.tokens[0])
+    print(f"\n{n} tokens in {out.nfe[0]} forwards ({n / out.nfe[0]:.2f} tokens per forward); "
+          f"steps per block: {[per_block[b] for b in sorted(per_block)]}")
+    print("\n" + tok.decode(out.tokens[0]))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bench", action="store_true", help="time AR against block diffusion on test prompts")
+    ap.add_argument("--show", action="store_true", help="print one example being denoised step by step")
+    ap.add_argument("--ar", default="out/sft", help="AR checkpoint (bench)")
+    ap.add_argument("--diffusion", default="out/rl", help="block-diffusion checkpoint (bench)")
+    ap.add_argument("--ckpt", default="out/cft", help="block-diffusion checkpoint (show)")
+    ap.add_argument("--data", default="data/synthetic", help="folder written by data.py")
+    ap.add_argument("--n", type=int, default=64, help="test examples to decode (bench)")
+    ap.add_argument("--index", type=int, default=0, help="which test example to show")
+    ap.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.9, 0.6, 0.4], help="commit thresholds (bench)")
+    ap.add_argument("--tau", type=float, default=0.9, help="commit threshold (show)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="decoding batch sizes (bench)")
+    ap.add_argument("--blocks", type=int, nargs="+", default=None, help="block sizes to decode with (default: the trained one)")
+    ap.add_argument("--json", default=None, help="write the benchmark rows here")
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
+    ap.add_argument("--device", default="cpu", help="torch device")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+    args = ap.parse_args(argv)
+    print("config:", json.dumps(vars(args)))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import data
+    if args.show:
+        model, tok, stage = load_checkpoint(args.ckpt, args.attn)
+        test, _ = data.load_split(args.data, "test", args.index + 1)
+        show(model.to(args.device).eval(), tok, test[args.index], args.blocks[0] if args.blocks else stage["block_size"],
+             args.tau, stage["max_new"])
+    elif args.bench:
+        ar_model, tok, _ = load_checkpoint(args.ar, args.attn)
+        diff_model, _, stage = load_checkpoint(args.diffusion, args.attn)
+        test, sid = data.load_split(args.data, "test", args.n)
+        blocks = args.blocks or [stage["block_size"]]
+        ratio = {b: forward_cost_ratio(diff_model.eval(), test[0]["prompt_ids"], b) for b in blocks}
+        print("cost of a block forward / a 1-token step (batch 1): " + ", ".join(f"B={b}: {r:.2f}x" for b, r in ratio.items()))
+        rows = bench(ar_model.eval(), diff_model.eval(), tok, test, sid, args.taus, args.batch_sizes, blocks, stage["max_new"])
+        result = {"ar": {str(r["batch"]): r for r in rows if r["decoder"] == "ar"},  # keyed by batch size
+                  "diffusion": [r for r in rows if r["decoder"] != "ar"],
+                  "forward_cost_ratio": ratio, "device": args.device, "threads": torch.get_num_threads()}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+    else:
+        ap.error("choose --bench or --show")
+
+
+if __name__ == "__main__":
+    main()

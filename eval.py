@@ -20,6 +20,7 @@ the same test examples and writes results.md / results.json; it lives at the end
 """
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 
@@ -122,3 +123,335 @@ def paired_bootstrap(a, b, n_boot=1000, alpha=0.05, seed=0):
     diff = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
     lo, hi = bootstrap_ci(diff, n_boot, alpha, seed)
     return float(diff.mean()) if len(diff) else 0.0, lo, hi
+
+
+def rerank_reward(text, candidates, target, bonus=0.2):
+    """GR2's reward: rank promotion of the target, a format bonus only when it helps, -1 when invalid.
+
+        R = (rank_before(target) - rank_after(target)) / N  +  0.2 * 1[R > 0  or  target first before and after]
+    The bonus is conditional so that copying the retriever order earns nothing (reward hacking).
+    """
+    ranking, kind, _ = judge(text, candidates)
+    if kind != "valid":
+        return -1.0
+    before, after = candidates.index(target) + 1, ranking.index(target) + 1
+    r = (before - after) / len(candidates)
+    return r + bonus if r > 0 or before == after == 1 else r
+
+
+def kendall_tau(a, b):
+    """Kendall rank correlation of two orderings of the same items (1 = identical, -1 = reversed)."""
+    pos = {x: i for i, x in enumerate(b)}
+    r = [pos[x] for x in a]
+    n = len(r)
+    concordant = sum((r[j] > r[i]) - (r[j] < r[i]) for i in range(n) for j in range(i + 1, n))
+    return concordant / (n * (n - 1) / 2) if n > 1 else 1.0
+
+
+def agreement(preds, reference):
+    """Top-1 agreement and mean Kendall tau of the final rankings (after fallback) of two prediction files."""
+    ref = {p["id"]: p for p in reference}
+    top1, taus = [], []
+    for p in preds:
+        q = ref.get(p["id"])
+        if q is None:
+            continue
+        a = p["parsed"] if p["validity"] == "valid" else p["candidates"]
+        b = q["parsed"] if q["validity"] == "valid" else q["candidates"]
+        top1.append(float(a[0] == b[0]))
+        taus.append(kendall_tau(a, b))
+    return {"top1_agreement": float(np.mean(top1)) if top1 else 0.0,
+            "kendall_tau": float(np.mean(taus)) if taus else 0.0, "n": len(top1)}
+
+
+def read_jsonl(path):
+    import json
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------- the stage convention
+def write_predictions(path, examples, sid_of, texts, rows, nfe=None):
+    """OUT/predictions.jsonl: everything needed to recompute the metrics and study the errors."""
+    import json
+    with open(path, "w") as f:
+        for k, (ex, text, row) in enumerate(zip(examples, texts, rows)):
+            rec = {"id": ex["id"], "candidates": [sid_of[i] for i in ex["candidates"]], "target": sid_of[ex["target"]],
+                   "response": text, "parsed": row["parsed"], "validity": row["validity"]}
+            if nfe is not None:
+                rec["nfe"] = nfe[k]
+            f.write(json.dumps(rec) + "\n")
+
+
+def stage_metrics(quality, examples, by_tau=None):
+    """OUT/metrics.json content: quality-mode metrics at the top, the floor, and (diffusion) other taus."""
+    out = {k: quality[k] for k in (*METRIC_KEYS, "valid_rate", "invalid", "n")}
+    for k in ("tokens_per_forward", "tokens_per_s", "mean_length"):
+        if k in quality:
+            out[k] = quality[k]
+    floor = summarize(floor_rows(examples))
+    out["floor"] = {k: floor[k] for k in (*METRIC_KEYS, "n")}
+    if by_tau:
+        out["by_tau"] = {str(t): {k: m[k] for k in (*METRIC_KEYS, "valid_rate", "invalid", "tokens_per_forward", "tokens_per_s")}
+                         for t, m in by_tau.items()}
+    return out
+
+
+def run_test(out, model, tok, examples, sid_of, mode, block=32, max_new=256, batch_size=64, taus=()):
+    """Final test of a stage: quality mode (AR greedy / tau = 1.0), plus `taus` for diffusion checkpoints.
+
+    Writes OUT/metrics.json and OUT/predictions.jsonl (the stage convention) and prints the table.
+    """
+    import json
+    from pathlib import Path
+    from decode import evaluate  # here, not at the top: decode.py imports this module
+    quality, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, block, 1.0, max_new, batch_size, progress=True)
+    write_predictions(Path(out) / "predictions.jsonl", examples, sid_of, texts, rows, roll.nfe)
+    by_tau = {t: evaluate(model, tok, examples, sid_of, mode, block, t, max_new, batch_size, progress=True)[0] for t in taus}
+    result = stage_metrics(quality, examples, by_tau)
+    (Path(out) / "metrics.json").write_text(json.dumps(result, indent=2))
+    name = "AR greedy" if mode == "ar" else "tau=1.0"
+    print(f"test (n={result['n']})   R@1     R@3     NDCG@3  valid   tok/fwd")
+    print(f"  retriever floor   {result['floor']['recall@1']:.4f}  {result['floor']['recall@3']:.4f}  {result['floor']['ndcg@3']:.4f}")
+    for label, m in [(name, quality)] + [(f"tau={t}", m) for t, m in by_tau.items()]:
+        print(f"  {label:<16}  {m['recall@1']:.4f}  {m['recall@3']:.4f}  {m['ndcg@3']:.4f}  {m['valid_rate']:.3f}  "
+              f"{m['tokens_per_forward']:.2f}")
+    return result
+
+
+# ----------------------------------------------------------------------------- report mode
+STAGES = [("sft", "AR re-ranker (GR2)"), ("naive", "naive conversion"), ("cft", "+ CFT"),
+          ("opd", "+ CFT + OPD"), ("rl", "+ CFT + OPD -> RL")]
+PAPER = {"retriever floor": (0.2811, 0.5591, 0.4401), "AR re-ranker (GR2)": (0.2960, 0.5651, 0.4497),
+         "naive conversion": (0.2811, 0.5591, 0.4401), "+ CFT": (0.2930, 0.5651, 0.4497),
+         "+ CFT + OPD": (0.2944, 0.5658, 0.4497), "+ CFT + OPD -> RL": (0.2951, 0.5671, 0.4517)}
+
+
+def reasoning_quality(preds, examples, sid_of):
+    """Share of SIDs cited in the reasoning that are in the history or the candidates (a hallucination proxy)."""
+    real, cited = 0, 0
+    for p, ex in zip(preds, examples):
+        known = {sid_of[i] for i in list(ex["history"]) + list(ex["candidates"])}
+        reasoning = p["response"].split("</think>")[0]
+        for m in SID_RE.finditer(reasoning):
+            cited += 1
+            real += sid_str(*m.groups()) in known
+    return real / cited if cited else float("nan")
+
+
+def stage_predictions(run, stage, model_dir, test, sid_of, tok):
+    """The stage's own quality-mode predictions when they cover the test split, else a fresh decode."""
+    path = Path(run) / stage / "predictions.jsonl"
+    if path.exists():
+        preds = read_jsonl(path)
+        if [p["id"] for p in preds] == [ex["id"] for ex in test]:
+            return preds
+    from decode import evaluate
+    from model import load_checkpoint
+    model, _, st = load_checkpoint(model_dir)
+    mode = "ar" if not st.get("block_size") else "diffusion"
+    _, rows, texts, roll = evaluate(model, tok, test, sid_of, mode, st.get("block_size") or 1, 1.0, st["max_new"], 64, True)
+    path = Path(run) / "report" / f"{stage}_predictions.jsonl"
+    write_predictions(path, test, sid_of, texts, rows, roll.nfe)
+    return read_jsonl(path)
+
+
+def table1(run, test, sid_of, tok):
+    """The stage ladder at tau = 1.0 with bootstrap intervals and paired differences to the row above."""
+    rows, prev = [], None
+    floor = floor_rows(test)
+    entries = [("floor", "retriever floor", floor)]
+    for stage, name in STAGES:
+        if (Path(run) / stage / "stage.json").exists():
+            preds = stage_predictions(run, stage, Path(run) / stage, test, sid_of, tok)
+            per = [{"validity": judge(p["response"], p["candidates"])[1],
+                    **rank_metrics(judge(p["response"], p["candidates"])[0], p["target"])} for p in preds]
+            entries.append((stage, name, per, preds))
+    for stage, name, per, *rest in entries:
+        s = summarize(per)
+        row = {"name": name, "stage": stage, **{k: s[k] for k in (*METRIC_KEYS, "valid_rate", "invalid", "n")}}
+        for k in ("recall@1", "recall@3", "ndcg@3"):
+            row[k + "_ci"] = bootstrap_ci([r[k] for r in per])
+        row["valid_rate_ci"] = bootstrap_ci([r["validity"] == "valid" for r in per])
+        if rest:
+            preds = rest[0]
+            row["reasoning_grounded"] = reasoning_quality(preds, test, sid_of)
+            row["reasoning_tokens"] = float(np.mean([len(tok(p["response"].split("</think>")[0] + "</think>",
+                                                             add_special_tokens=False).input_ids) for p in preds]))
+        if prev is not None and stage != "naive":
+            for k in ("recall@1", "ndcg@3"):
+                row[f"delta_{k}_vs_prev"] = paired_bootstrap([r[k] for r in prev], [r[k] for r in per])
+        if stage != "naive":
+            prev = per
+        row["paper"] = dict(zip(("recall@1", "recall@3", "ndcg@3"), PAPER.get(name, (None,) * 3)))
+        rows.append(row)
+    return rows
+
+
+def plot_curves(run, path):
+    """Training curves of every stage, read from OUT/<stage>/log.jsonl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+    panels = [("sft", [("val_valid_rate", "valid rate"), ("val_recall1", "Recall@1")], "AR re-ranker (validation)"),
+              ("cft", [("val_valid_rate", "valid, tau=1.0"), ("val_valid_rate_0.9", "valid, tau=0.9"),
+                       ("val_recall1", "R@1, tau=1.0")], "CFT (validation)"),
+              ("opd", [("kl", "rollout KL to teacher"), ("rollout_valid_rate", "rollout valid rate")], "OPD"),
+              ("rl", [("reward", "rollout reward"), ("val_reward", "held-out reward")], "RL")]
+    for ax, (stage, keys, title) in zip(axes, panels):
+        log = Path(run) / stage / "log.jsonl"
+        if log.exists():
+            recs = read_jsonl(log)
+            for k, label in keys:
+                pts = [(r["step"], r[k]) for r in recs if k in r]
+                if pts:
+                    ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_frontier(rows, path):
+    """Recall@1 against tokens per forward (hardware-independent) and against the measured speed-up."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for bs in sorted({r["batch"] for r in rows}):
+        sel = [r for r in rows if r["batch"] == bs]
+        diff = [r for r in sel if r["decoder"] != "ar"]
+        for ax, key in zip(axes, ("tokens_per_forward", "speedup")):
+            ax.plot([r[key] for r in diff], [r["recall@1"] for r in diff], marker="o", label=f"diffusion, batch {bs}")
+            for r in diff:
+                ax.annotate(f"tau={r['tau']}", (r[key], r["recall@1"]), fontsize=7)
+            ar = [r for r in sel if r["decoder"] == "ar"][0]
+            ax.scatter([ar[key]], [ar["recall@1"]], marker="*", s=120, label=f"AR, batch {bs}")
+    axes[0].set_xlabel("tokens per forward")
+    axes[1].set_xlabel("wall-clock speed-up over AR (this machine)")
+    for ax in axes:
+        ax.set_ylabel("Recall@1")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_masks(path, prompt=3, response=8, block=4):
+    """The two attention patterns, drawn from model.py's own mask function (rows attend to columns)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from model import attention_mask, build_rows
+    train = build_rows([[1] * prompt], [[2] * response], block, noisy=[[3] * response])
+    dec = build_rows([[1] * prompt], [[2] * response], block)
+    masks = [attention_mask(*[(r["seg"], r["blk"], r["pos"])] * 2)[0, 0].float() for r in (train, dec)]
+    active = 1  # decoding: block 1 is being denoised; the prompt and block 0 sit in the KV cache
+    rows = slice(prompt + active * block, prompt + (active + 1) * block)
+    masks[1][rows] *= 2  # the rows computed at each denoising step
+    names = [["prompt"] * prompt + [f"x_t b{j // block}" for j in range(response)] + [f"x_0 b{j // block}" for j in range(response)],
+             ["prompt"] * prompt + [f"b{j // block}" + (" (active)" if j // block == active else "") for j in range(response)]]
+    titles = [f"training layout [prompt | noisy x_t | clean x_0], B = {block}",
+              f"decoding: block-causal; block {active} denoised against the cache"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6), gridspec_kw={"width_ratios": [1.5, 1]})
+    for ax, m, n, title in zip(axes, masks, names, titles):
+        ax.imshow(m, cmap="YlGnBu", vmin=0, vmax=2.3)
+        ax.set_xticks(range(len(n)), n, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(n)), n, fontsize=7)
+        ax.set_title(title, fontsize=10)
+        for x in range(prompt, len(n), block):
+            ax.axvline(x - 0.5, color="grey", lw=0.5)
+            ax.axhline(x - 0.5, color="grey", lw=0.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def fmt_ci(row, k):
+    lo, hi = row[k + "_ci"]
+    return f"{row[k]:.4f} [{lo:.3f}, {hi:.3f}]"
+
+
+def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 0.4)):
+    """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and plots."""
+    import json
+    import data
+    from decode import bench, forward_cost_ratio
+    from model import load_checkpoint
+    from transformers import AutoTokenizer
+    run = Path(run)
+    (run / "report").mkdir(parents=True, exist_ok=True)
+    test, sid_of = data.load_split(data_dir, "test")
+    tok = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
+    t1 = table1(run, test, sid_of, tok)
+    final = next((s for s in ("rl", "opd", "cft") if (run / s / "stage.json").exists()), None)
+    t2, ratio = [], None
+    if final and (run / "sft" / "stage.json").exists():
+        ar, _, _ = load_checkpoint(run / "sft")
+        diff, _, st = load_checkpoint(run / final)
+        ratio = forward_cost_ratio(diff.eval(), test[0]["prompt_ids"], st["block_size"])
+        print(f"speed: {final} against the AR re-ranker on {bench_n} test prompts (block forward costs {ratio:.2f}x a 1-token step)")
+        t2 = bench(ar.eval(), diff.eval(), tok, test[:bench_n], sid_of, taus, batch_sizes, [st["block_size"]], st["max_new"])
+        plot_frontier(t2, run / "frontier.png")
+    plot_curves(run, run / "curves.png")
+    plot_masks(run / "masks.png")
+    stats = json.loads((Path(data_dir) / "stats.json").read_text())
+    result = {"data": str(data_dir), "n_test": len(test), "table1": t1, "table2": t2, "forward_cost_ratio": ratio,
+              "final_diffusion": final, "data_stats": stats}
+    (run / "results.json").write_text(json.dumps(result, indent=2))
+    lines = [f"# Diffusion-GR2 results: {data_dir} (test n = {len(test)})", "",
+             "## Table 1: the stage ladder (tau = 1.0; AR greedy), 95% bootstrap intervals", "",
+             "| method | Recall@1 | Recall@3 | NDCG@3 | valid rate | grounded ids | reasoning tokens | paper R@1 / R@3 / NDCG@3 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in t1:
+        p = r["paper"]
+        paper = " / ".join(f"{p[k]:.4f}" for k in ("recall@1", "recall@3", "ndcg@3")) if p["recall@1"] else ""
+        extra = (f"{r['reasoning_grounded']:.3f} | {r['reasoning_tokens']:.0f}" if "reasoning_tokens" in r else " | ")
+        lines.append(f"| {r['name']} | {fmt_ci(r, 'recall@1')} | {fmt_ci(r, 'recall@3')} | {fmt_ci(r, 'ndcg@3')} | "
+                     f"{r['valid_rate']:.3f} | {extra} | {paper} |")
+    deltas = [r for r in t1 if "delta_recall@1_vs_prev" in r]
+    if deltas:
+        lines += ["", "Paired differences to the row above (mean [95% interval]):", ""]
+        for r in deltas:
+            d, e = r["delta_recall@1_vs_prev"], r["delta_ndcg@3_vs_prev"]
+            lines.append(f"- {r['name']}: Recall@1 {d[0]:+.4f} [{d[1]:+.3f}, {d[2]:+.3f}], NDCG@3 {e[0]:+.4f} [{e[1]:+.3f}, {e[2]:+.3f}]")
+    if t2:
+        lines += ["", f"## Table 2: decoding speed, AR against `{final}` (first {bench_n} test prompts, this machine)", "",
+                  f"One block forward costs {ratio:.2f}x a 1-token AR step here (batch 1).", "",
+                  "| decoder | batch | Recall@1 | valid rate | tokens/s | tokens per forward | speed-up |", "|---|---|---|---|---|---|---|"]
+        for r in t2:
+            name = "AR" if r["decoder"] == "ar" else f"diffusion tau = {r['tau']}"
+            lines.append(f"| {name} | {r['batch']} | {r['recall@1']:.3f} | {r['valid_rate']:.3f} | {r['tokens_per_s']:.1f} | "
+                         f"{r['tokens_per_forward']:.2f} | {r['speedup']:.2f}x |")
+        lines += ["", "![speed/accuracy frontier](frontier.png)"]
+    lines += ["", "![training curves](curves.png)", "", "![attention masks](masks.png)", ""]
+    (run / "results.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return result
+
+
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--report", action="store_true", help="evaluate every checkpoint of a run and write results.md/json")
+    ap.add_argument("--run", default="out", help="the run's output folder (holds sft/, naive/, cft/, opd/, rl/)")
+    ap.add_argument("--data", default="data/synthetic", help="folder written by data.py")
+    ap.add_argument("--bench-n", type=int, default=64, help="test prompts for the speed table")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="decoding batch sizes for the speed table")
+    ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
+    args = ap.parse_args(argv)
+    if args.masks_figure:
+        plot_masks(args.masks_figure)
+    elif args.report:
+        report(args.run, args.data, args.bench_n, tuple(args.batch_sizes))
+    else:
+        ap.error("choose --report or --masks-figure")
+
+
+if __name__ == "__main__":
+    main()

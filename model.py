@@ -25,7 +25,7 @@ token r at offset j of its block the logit is read at
     j = 0:  x_0 position r-1 (the last token of the clean previous block), or the last prompt token
 which is the same logit a KV-cached decoder uses (the prefill or the forward that committed block b-1).
 
-Masked-diffusion loss (per block b a noise level t_b ~ U(eps, 1); each response token of the block is
+Masked-diffusion loss (per block b a noise level t_b ~ U(t_min, t_max); each response token of the block is
 masked with probability t_b; prompt and padding are never noised and never scored):
     L = sum_{masked i} w_i * c_i * CE(logits_src(i), x_i) / sum_{masked i} w_i
     w_i = lambda_r for reasoning tokens, lambda_o for answer tokens; c_i = 1/t_b when --inv-t
@@ -43,24 +43,28 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 PAD, PROMPT, CLEAN, NOISY = 0, 1, 2, 3
-# The tiny default: sized so the whole synthetic pipeline trains on 2 CPU cores (about 1.2M parameters).
-TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, rope_theta=10000.0,
-            tie_word_embeddings=True, rms_norm_eps=1e-6)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Random-init presets for CPU work. 'tiny' is the default: sized so the whole synthetic pipeline trains on
+# 2 CPU cores (1.2M parameters with the synthetic vocabulary); 'micro' only runs the mechanics in tests.
+PRESETS = {"tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32),
+           "micro": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16)}
 
 
 # ----------------------------------------------------------------------------- models and checkpoints
 def create_model(spec, tok, attn="sdpa", dtype=torch.float32, seed=0):
-    """An AR Qwen3 for `tok`: 'tiny' (random init from TINY), a hub id or a local folder.
+    """An AR Qwen3 for `tok`: a preset name (random init from PRESETS), a hub id or a local folder.
 
     The embedding gets a row for every token of `tok` (SIDs and the mask token included), so the
     AR model and the converted block-diffusion model share one vocabulary.
     """
     torch.manual_seed(seed)
-    if spec == "tiny":
+    if spec in PRESETS:
         vocab = 64 * math.ceil(len(tok) / 64)
         cfg = Qwen3Config(vocab_size=vocab, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                          bos_token_id=None, **TINY)
+                          bos_token_id=None, max_position_embeddings=4096, rope_theta=10000.0,
+                          tie_word_embeddings=True, rms_norm_eps=1e-6, **PRESETS[spec])
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(spec, attn_implementation=attn, dtype=dtype, use_safetensors=True)
@@ -79,20 +83,24 @@ def init_mask_embedding(model, mask_id, n_real):  # [diffusion]
 
 
 def save_checkpoint(path, model, tok, stage, extra=None):
-    """Save the HF way (safetensors + tokenizer + stage.json), atomically: a temp folder, then a swap."""
+    """Save the HF way (safetensors + tokenizer) plus stage.json, into `path` (which may hold other files).
+
+    Files are written to a temp folder and moved in one by one; stage.json goes last and marks the
+    checkpoint complete, so an interrupted save never looks like a finished one.
+    """
     path = Path(path)
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
-    (tmp / "stage.json").write_text(json.dumps({**stage, "saved": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2))
-    if extra is not None:  # training state for --resume: tensors and numbers only (loaded with weights_only)
+    if extra is not None:  # training state for resuming: tensors and numbers only (loaded with weights_only)
         torch.save(extra, tmp / "trainer.pt")
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    (tmp / "stage.json").write_text(json.dumps({**stage, "saved": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2))
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "stage.json").unlink(missing_ok=True)
+    for f in sorted(tmp.iterdir(), key=lambda f: f.name == "stage.json"):
+        os.replace(f, path / f.name)
+    tmp.rmdir()
 
 
 def load_checkpoint(path, attn="sdpa", dtype=torch.float32):
@@ -109,6 +117,75 @@ def load_trainer_state(path):
     """The optimizer/step/rng state saved next to a checkpoint, or None."""
     f = Path(path) / "trainer.pt"
     return torch.load(f, weights_only=True) if f.exists() else None
+
+
+def save_progress(out, model, tok, stage, optimizer, step, state):
+    """OUT/last: the model so far plus what --resume needs (optimizer, step, the log's best score)."""
+    save_checkpoint(Path(out) / "last", model, tok, stage, {"optimizer": optimizer.state_dict(), "step": step, **state})
+
+
+def resume(out, model, optimizer):
+    """(next step, saved state) from OUT/last, loading its weights and optimizer state; (0, {}) if none."""
+    last = Path(out) / "last"
+    state = load_trainer_state(last)
+    if state is None:
+        return 0, {}
+    from safetensors.torch import load_file
+    weights = {}
+    for f in sorted(last.glob("*.safetensors")):
+        weights.update(load_file(f))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied head: stored once
+    optimizer.load_state_dict(state.pop("optimizer"))
+    print(f"resuming from {last} at step {state['step']}")
+    return state.pop("step"), state
+
+
+def add_common_args(ap, **defaults):
+    """The flags every training stage shares (each stage sets its own defaults)."""
+    d = dict(steps=1000, batch_size=32, lr=1e-3, warmup=50, eval_every=100, val_n=200) | defaults
+    ap.add_argument("--data", default="data/synthetic", help="folder written by data.py")
+    ap.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps")
+    if d["batch_size"]:  # OPD and RL count prompts per step instead
+        ap.add_argument("--batch-size", type=int, default=d["batch_size"], help="examples per step")
+    ap.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (warm-up, then cosine to 10%%)")
+    ap.add_argument("--warmup", type=int, default=d["warmup"], help="warm-up steps")
+    ap.add_argument("--lambda-r", type=float, default=0.5, help="weight of reasoning tokens (assumption: the paper gives none)")
+    ap.add_argument("--lambda-o", type=float, default=1.0, help="weight of answer tokens")
+    ap.add_argument("--eval-every", type=int, default=d["eval_every"], help="validate and checkpoint every this many steps")
+    ap.add_argument("--val-n", type=int, default=d["val_n"], help="validation examples decoded at each evaluation")
+    ap.add_argument("--test-n", type=int, default=0, help="test examples for the final metrics (0 = all)")
+    ap.add_argument("--eval-batch", type=int, default=64, help="decoding batch size")
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help="parameter dtype (bfloat16 on a GPU)")
+    ap.add_argument("--device", default="cpu", help="torch device")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+    ap.add_argument("--seed", type=int, default=0, help="seed for the init, the batch order and the noise")
+    ap.add_argument("--fresh", action="store_true", help="ignore OUT/last and start over")
+
+
+def setup(args):
+    """Print the resolved config, set threads, make OUT; returns OUT as a Path."""
+    print("config:", json.dumps(vars(args)))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+class Log:
+    """Prints a line and appends it to OUT/log.jsonl (the plots read it)."""
+
+    def __init__(self, out, fresh):
+        self.path = Path(out) / "log.jsonl"
+        if fresh and self.path.exists():
+            self.path.unlink()
+
+    def __call__(self, **rec):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        return rec
 
 
 def lr_at(step, total, peak, warmup):
@@ -185,16 +262,20 @@ def target_sources(rows, lengths, block):
     return src, real
 
 
-def hidden_states(model, rows, cache=None):
-    """Final hidden states (B, L, H) of a forward over `rows` with our mask and explicit positions."""
-    mask = attention_mask((rows["seg"], rows["blk"], rows["pos"]), (rows["seg"], rows["blk"], rows["pos"]))
-    out = model.model(input_ids=rows["ids"], attention_mask=for_attention(mask, model), position_ids=rows["pos"])
+def hidden_states(model, rows):
+    """Final hidden states (B, L, H) of a forward over `rows` with our mask and explicit positions.
+
+    Rows are built on the CPU; they move to the model's device here, at the model's door.
+    """
+    desc = tuple(rows[k].to(model.device) for k in ("seg", "blk", "pos"))
+    mask = attention_mask(desc, desc)
+    out = model.model(input_ids=rows["ids"].to(model.device), attention_mask=for_attention(mask, model), position_ids=desc[2])
     return out.last_hidden_state
 
 
 def gather_logits(model, hidden, cols):
-    """Logits (N, V) at hidden[b, col] for a list of (b, col): the LM head only where it is needed."""
-    return model.lm_head(hidden[cols[0], cols[1]]).float()
+    """Logits (N, V) at hidden[b, col] for index tensors (b, col): the LM head only where it is needed."""
+    return model.lm_head(hidden[cols[0].to(hidden.device), cols[1].to(hidden.device)]).float()
 
 
 def token_weights(lengths, n_reasoning, lam_r, lam_o):
@@ -209,15 +290,11 @@ def token_weights(lengths, n_reasoning, lam_r, lam_o):
 def ar_loss(model, batch, lam_r=0.5, lam_o=1.0, pad_id=0):
     """Weighted causal-LM loss on the response only. batch: dict with prompt_ids, response_ids, n_reasoning."""
     prompts, responses = batch["prompt_ids"], batch["response_ids"]
-    lengths = [len(r) for r in responses]
-    rows = build_rows(prompts, responses, block=1, pad_id=pad_id)  # block 1 = causal attention
-    src, real = target_sources(rows, lengths, 1)
-    w = token_weights(lengths, batch["n_reasoning"], lam_r, lam_o)
-    b, j = real.nonzero(as_tuple=True)
-    logits = gather_logits(model, hidden_states(model, rows), (b, src[b, j]))
-    targets = torch.tensor([responses[bi][ji] for bi, ji in zip(b.tolist(), j.tolist())])
-    ce = F.cross_entropy(logits, targets, reduction="none")
-    return (w[b, j] * ce).sum() / w[b, j].sum()
+    w = token_weights([len(r) for r in responses], batch["n_reasoning"], lam_r, lam_o)
+    w = torch.cat([w[i, :len(r)] for i, r in enumerate(responses)]).to(model.device)  # (row, position) order
+    targets = torch.tensor([t for r in responses for t in r], device=model.device)
+    ce = F.cross_entropy(ar_logits(model, prompts, responses, pad_id), targets, reduction="none")
+    return (w * ce).sum() / w.sum()
 
 
 def pad_to_block(response, block, eos_id):  # [diffusion]
@@ -225,21 +302,21 @@ def pad_to_block(response, block, eos_id):  # [diffusion]
     return list(response) + [eos_id] * (-len(response) % block)
 
 
-def sample_noise(lengths, block, eps=1e-3, per="block", generator=None):  # [diffusion]
-    """(masked, t): which response tokens are masked and the noise level t of each token's block/row."""
+def sample_noise(lengths, block, t_range=(1e-3, 1.0), per="block", generator=None):  # [diffusion]
+    """(masked, t): which response tokens are masked, and the noise level t ~ U(t_range) of each token's block/row."""
     Rmax = max(lengths)
     nblk = math.ceil(Rmax / block)
     if per == "block":
         t = torch.rand(len(lengths), nblk, generator=generator).repeat_interleave(block, 1)[:, :Rmax]
     else:  # one level for the whole response
         t = torch.rand(len(lengths), 1, generator=generator).expand(len(lengths), Rmax)
-    t = eps + (1 - eps) * t
+    t = t_range[0] + (t_range[1] - t_range[0]) * t
     masked = torch.rand(len(lengths), Rmax, generator=generator) < t
     real = torch.arange(Rmax)[None] < torch.tensor(lengths)[:, None]
     return masked & real, t
 
 
-def diffusion_loss(model, batch, block, mask_id, eos_id, lam_r=0.5, lam_o=1.0, eps=1e-3, noise_per="block",
+def diffusion_loss(model, batch, block, mask_id, eos_id, lam_r=0.5, lam_o=1.0, t_range=(1e-3, 1.0), noise_per="block",
                    inv_t=False, complementary=True, masked=None, pad_id=0, generator=None):  # [diffusion]
     """Masked-diffusion loss of the module docstring on a batch (same dict as ar_loss).
 
@@ -251,13 +328,13 @@ def diffusion_loss(model, batch, block, mask_id, eos_id, lam_r=0.5, lam_o=1.0, e
     prompts, n_reasoning = list(batch["prompt_ids"]), list(batch["n_reasoning"])
     lengths = [len(r) for r in responses]
     if masked is None:
-        masked, t = sample_noise(lengths, block, eps, noise_per, generator)
+        masked, t = sample_noise(lengths, block, t_range, noise_per, generator)
     else:
         t = torch.ones(masked.shape)
     real = torch.arange(masked.shape[1])[None] < torch.tensor(lengths)[:, None]
     masked = masked & real  # prompt and padding are never noised, never scored
     if complementary:
-        masked, t = torch.cat([masked, ~masked & real]), torch.cat([t, 1 - t + eps])
+        masked, t = torch.cat([masked, ~masked & real]), torch.cat([t, (1 - t).clamp_min(t_range[0])])
         prompts, responses, lengths, n_reasoning = prompts * 2, responses * 2, lengths * 2, n_reasoning * 2
     noisy = [[mask_id if masked[i, j] else tok for j, tok in enumerate(r)] for i, r in enumerate(responses)]
     rows = build_rows(prompts, responses, block, noisy=noisy, pad_id=pad_id)
@@ -267,7 +344,29 @@ def diffusion_loss(model, batch, block, mask_id, eos_id, lam_r=0.5, lam_o=1.0, e
     if len(b) == 0:
         return torch.zeros((), requires_grad=True), 0
     logits = gather_logits(model, hidden_states(model, rows), (b, src[b, j]))
-    targets = torch.tensor([responses[bi][ji] for bi, ji in zip(b.tolist(), j.tolist())])
+    targets = torch.tensor([responses[bi][ji] for bi, ji in zip(b.tolist(), j.tolist())], device=logits.device)
     ce = F.cross_entropy(logits, targets, reduction="none")
-    scale = w[b, j] / t[b, j] if inv_t else w[b, j]  # assumption: no 1/t weight by default (as Fast-dLLM v2)
-    return (scale * ce).sum() / w[b, j].sum(), len(b)
+    w, t = w[b, j].to(logits.device), t[b, j].to(logits.device)
+    scale = w / t if inv_t else w  # assumption: no 1/t weight by default (as Fast-dLLM v2)
+    return (scale * ce).sum() / w.sum(), len(b)
+
+
+def token_kl(logp_teacher, logits_student, reverse=False):  # [diffusion] OPD
+    """Per-token KL in float32 from log-probabilities: KL(teacher || student) or, reverse, KL(student || teacher).
+
+    logp_teacher: (N, V) log-softmax of the teacher; logits_student: (N, V) raw student logits.
+    """
+    logp_s = torch.log_softmax(logits_student.float(), -1)
+    logp_t = logp_teacher.float()
+    if reverse:
+        return (logp_s.exp() * (logp_s - logp_t)).sum(-1)
+    return (logp_t.exp() * (logp_t - logp_s)).sum(-1)
+
+
+def ar_logits(model, prompts, responses, pad_id=0):
+    """Logits (N, V) predicting every response token under causal attention, in (row, position) order."""
+    lengths = [len(r) for r in responses]
+    rows = build_rows(prompts, responses, block=1, pad_id=pad_id)
+    src, real = target_sources(rows, lengths, 1)
+    b, j = real.nonzero(as_tuple=True)
+    return gather_logits(model, hidden_states(model, rows), (b, src[b, j]))

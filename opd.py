@@ -1,0 +1,174 @@
+"""
+Stage 2: on-policy distillation (OPD) from the AR teacher closes the distributional gap.
+
+CFT trained on the teacher's fixed traces (off-policy). Here the CFT student decodes its *own*
+trajectories with the real block-diffusion decoder (G' per prompt), and the frozen AR re-ranker of
+sft.py says, at every generated position, what it would have predicted there:
+
+    L_OPD = mean_trajectories  mean_{i <= end}  KL( p_teacher(. | prompt, y_<i)  ||  p_student(. | canvas_i) )
+
+The teacher needs one causal forward over prompt + completion (no gradient, once per trajectory).
+canvas_i is the state token i was committed from, rebuilt from the decoder's step map by
+decode.replay_logits -- the same function rl.py uses. Token shift lines the two up position for
+position: both logits for token i sit at position i-1. Divergences are computed in float32 from
+log-probabilities. `--reverse` uses KL(student || teacher); `--clean-prefix` scores each token with
+everything before it clean and the rest of its block masked, instead of the replayed canvas
+(assumption: the paper does not give the exact context).
+
+    python opd.py --data data/synthetic --init out/cft --teacher out/sft --out out/opd      # CPU (~10 min)
+    python opd.py --data data/synthetic-qwen3 --init out/cft-qwen --teacher out/sft-qwen --out out/opd-qwen \\
+        --dtype bfloat16 --device cuda --prompts-per-step 32 --lr 1e-6 --steps 1500      # one GPU
+"""
+import argparse
+import json
+import math
+import time
+
+import torch
+from tqdm import tqdm
+
+import data
+import eval as metrics
+from decode import generate, replay_logits, validate
+from model import (DTYPES, Log, add_common_args, ar_logits, load_checkpoint, lr_at, resume, save_checkpoint,
+                   save_progress, setup, token_kl)
+
+TAUS = (0.9, 0.6, 0.4)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--init", default="out/cft", help="the CFT student checkpoint")
+    ap.add_argument("--teacher", default="out/sft", help="the frozen AR teacher checkpoint")
+    ap.add_argument("--out", default="out/opd", help="checkpoint folder to write")
+    ap.add_argument("--group", type=int, default=4, help="G': trajectories the student decodes per prompt")
+    ap.add_argument("--prompts-per-step", type=int, default=4, help="training prompts per step (the paper: 128)")
+    ap.add_argument("--tau", type=float, default=0.9, help="commit threshold of the student's rollouts")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
+    ap.add_argument("--reverse", action="store_true", help="KL(student || teacher) instead of KL(teacher || student)")
+    ap.add_argument("--clean-prefix", action="store_true",
+                    help="score each token from a clean prefix instead of its replayed canvas (assumption: replay)")
+    ap.add_argument("--chunk", type=int, default=8, help="trajectories per backward pass (memory, not maths)")
+    ap.add_argument("--kl-n", type=int, default=200, help="test prompts for the KL-to-teacher figure")
+    add_common_args(ap, steps=80, batch_size=0, lr=1e-4, warmup=5, eval_every=40, val_n=200)
+    return ap.parse_args(argv)
+
+
+def check_vocab(student, s_tok, teacher, t_tok):
+    """Distillation compares distributions row by row: the two vocabularies must be the same."""
+    if student.config.vocab_size != teacher.config.vocab_size or s_tok.get_vocab() != t_tok.get_vocab():
+        raise SystemExit(f"error: student and teacher vocabularies differ ({student.config.vocab_size} vs "
+                         f"{teacher.config.vocab_size} rows, or different tokenizers)")
+
+
+def opd_loss(student, teacher, prompts, roll, block, mask_id, pad_id, reverse=False, clean_prefix=False):
+    """Summed per-trajectory mean KL over generated tokens (divide by the number of trajectories)."""
+    keep = [len(t) for t in roll.tokens]
+    with torch.no_grad():  # the teacher: one causal forward per trajectory, full next-token distributions
+        logp_t = torch.log_softmax(ar_logits(teacher, prompts, roll.tokens, pad_id), -1)
+    offset = [0] + list(torch.tensor(keep).cumsum(0)[:-1].tolist())
+    steps = roll.steps
+    if clean_prefix:  # replaying a left-to-right step map gives exactly the clean-prefix canvases
+        steps = [[r % block if s >= 0 else -1 for r, s in enumerate(st)] for st in steps]
+    logits, order = replay_logits(student, prompts, roll.canvas, steps, block, mask_id, keep, pad_id)
+    kl = token_kl(logp_t[[offset[i] + r for i, r in order]], logits, reverse)
+    traj = torch.tensor([i for i, _ in order], device=kl.device)
+    per_traj = torch.zeros(len(keep), device=kl.device).index_add(0, traj, kl) / torch.tensor(keep, device=kl.device)
+    return per_traj.sum()
+
+
+@torch.no_grad()
+def test_kl(student, teacher, tok, examples, block, max_new, batch):
+    """Mean KL(teacher || student) along the student's own greedy tau = 1.0 trajectories."""
+    total, n = 0.0, 0
+    for s in range(0, len(examples), batch):
+        prompts = [ex["prompt_ids"] for ex in examples[s:s + batch]]
+        roll, _ = generate(student, tok, prompts, "diffusion", block, 1.0, max_new, batch)
+        total += opd_loss(student, teacher, prompts, roll, block, tok.mask_token_id, tok.pad_token_id).item()
+        n += len(prompts)
+    return total / max(n, 1)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = setup(args)
+    train, sid = data.load_split(args.data, "train")
+    valid, _ = data.load_split(args.data, "valid", args.val_n)
+    test, _ = data.load_split(args.data, "test", args.test_n)
+    student, tok, parent = load_checkpoint(args.init, args.attn, DTYPES[args.dtype])
+    teacher, t_tok, _ = load_checkpoint(args.teacher, args.attn, DTYPES[args.dtype])
+    check_vocab(student, tok, teacher, t_tok)
+    student.to(args.device), teacher.to(args.device).eval().requires_grad_(False)
+    block, max_new = parent["block_size"], parent["max_new"]
+    stage = {"stage": "opd", "parent": str(args.init), "teacher": str(args.teacher), "block_size": block,
+             "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
+    kl_examples = test[:args.kl_n]
+
+    opt = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    start, state = (0, {}) if args.fresh else resume(out, student, opt)
+    best, log = state.get("best", -1.0), Log(out, fresh=start == 0)
+    t0 = time.time() - state.get("elapsed", 0.0)
+    if start == 0:
+        state["kl_init"] = test_kl(student, teacher, tok, kl_examples, block, max_new, args.eval_batch)
+        log(step=0, minutes=0.0, kl_test=state["kl_init"], **validate(student, tok, valid, sid, "diffusion", block, max_new, args.eval_batch)[0])
+        print(f"before OPD: test KL to the teacher {state['kl_init']:.4f}")
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="opd", dynamic_ncols=True)
+    for step in bar:
+        idx = data.batch_indices(step, len(train), args.prompts_per_step, args.seed)
+        examples = [train[i] for i in idx for _ in range(args.group)]
+        prompts = [ex["prompt_ids"] for ex in examples]
+        student.eval()  # [diffusion] the student's own trajectories, from the real decoder
+        gen = torch.Generator(device=args.device).manual_seed(args.seed * 100003 + step)
+        roll, _ = generate(student, tok, prompts, "diffusion", block, args.tau, max_new, len(prompts), args.temperature, gen)
+        student.train()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        kl_sum = 0.0
+        for c in range(0, len(prompts), args.chunk):  # gradient accumulation over trajectory chunks
+            part = roll.select(range(c, min(c + args.chunk, len(prompts))))
+            loss = opd_loss(student, teacher, prompts[c:c + args.chunk], part, block, tok.mask_token_id,
+                            tok.pad_token_id, args.reverse, args.clean_prefix) / len(prompts)
+            loss.backward()
+            kl_sum += loss.item()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rows = metrics.score_responses([tok.decode(t) for t in roll.tokens], examples, sid)
+        rec = {"step": step + 1, "kl": kl_sum, "rollout_valid_rate": metrics.summarize(rows)["valid_rate"],
+               "rollout_tokens_per_forward": sum(map(len, roll.tokens)) / sum(roll.nfe)}
+        bar.set_postfix(kl=f"{kl_sum:.4f}", valid=f"{rec['rollout_valid_rate']:.2f}",
+                        tpf=f"{rec['rollout_tokens_per_forward']:.2f}")
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            val, _ = validate(student, tok, valid, sid, "diffusion", block, max_new, args.eval_batch)
+            rec.update(minutes=(time.time() - t0) / 60, **val)
+            tqdm.write(f"step {step + 1:4d} | {rec['minutes']:5.1f} min | rollout KL {kl_sum:.4f} | tau=1.0 valid "
+                       f"{val['val_valid_rate']:.3f} R@1 {val['val_recall1']:.3f} | tau=0.9 valid "
+                       f"{val['val_valid_rate_0.9']:.3f} R@1 {val['val_recall1_0.9']:.3f}")
+            score = val["val_valid_rate"] + val["val_valid_rate_0.9"] + val["val_recall1"] + val["val_recall1_0.9"]
+            if score > best:
+                best = score
+                save_checkpoint(out, student, tok, {**stage, "step": step + 1, "val": val})
+            save_progress(out, student, tok, stage, opt, step + 1,
+                          {"best": best, "elapsed": time.time() - t0, "kl_init": state["kl_init"]})
+        log(**rec)
+
+    student, tok, stage = load_checkpoint(out, args.attn, DTYPES[args.dtype])
+    student.to(args.device)
+    print(f"OPD took {(time.time() - t0) / 60:.1f} min; testing the best checkpoint (step {stage['step']}) ...")
+    result = metrics.run_test(out, student, tok, test, sid, "diffusion", block, max_new, args.eval_batch, TAUS)
+    teacher_preds = metrics.read_jsonl(f"{args.teacher}/predictions.jsonl")
+    result["kl_to_teacher"] = {"init": state["kl_init"],
+                               "final": test_kl(student, teacher, tok, kl_examples, block, max_new, args.eval_batch)}
+    result["teacher_agreement"] = {
+        "init": metrics.agreement(metrics.read_jsonl(f"{args.init}/predictions.jsonl"), teacher_preds),
+        "final": metrics.agreement(metrics.read_jsonl(out / "predictions.jsonl"), teacher_preds)}
+    (out / "metrics.json").write_text(json.dumps(result, indent=2))
+    print("test KL to the teacher: {init:.4f} (CFT) -> {final:.4f} (OPD)".format(**result["kl_to_teacher"]))
+    for k in ("init", "final"):
+        a = result["teacher_agreement"][k]
+        print(f"agreement with the teacher's rankings ({k}): top-1 {a['top1_agreement']:.3f}, Kendall tau {a['kendall_tau']:.3f}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

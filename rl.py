@@ -1,0 +1,176 @@
+"""
+Stage 3: RL against the re-ranking reward -- trajectory-replay GRPO on the block-diffusion policy.
+
+For each training prompt the policy decodes G rollouts with the real block-diffusion decoder. Each gets
+GR2's reward (eval.rerank_reward): the target's rank promotion over the retriever, (r_before - r_after)/N,
+plus 0.2 only if that is positive or the target stays first, and -1 for an invalid answer. Advantages
+are z-scores inside each prompt's group; a group whose rewards are all equal teaches nothing and is
+dropped. The loss is PPO's clipped ratio with token-level normalisation and no KL term:
+
+    rho_i = exp(log pi(y_i | canvas_i) - log pi_old(y_i | canvas_i))
+    L = - sum_{kept rollouts g, tokens i} min(rho_i A_g, clip(rho_i, 1 - eps, 1 + eps) A_g) / (number of tokens)
+
+A diffusion policy has no left-to-right factorisation, so log pi(y_i) is read at the canvas token i was
+committed from: the decoder's step map, replayed by decode.replay_logits (the same function as OPD).
+`--policy ar` trains the AR re-ranker the same way with exact causal log-probabilities, as GR2 did.
+Watch the identity rate (answers that copy the retriever order): the reward-hacking signal.
+
+    python rl.py --data data/synthetic --init out/opd --out out/rl                 # CPU (~10 min)
+    python rl.py --data data/synthetic --init out/sft --out out/rl-ar --policy ar  # GR2's AR RL
+    python rl.py --data data/synthetic-qwen3 --init out/opd-qwen --out out/rl-qwen \\
+        --dtype bfloat16 --device cuda --prompts-per-step 16 --lr 5e-7 --steps 600   # one GPU
+"""
+import argparse
+import time
+
+import torch
+from tqdm import tqdm
+
+import data
+import eval as metrics
+from decode import generate, replay_logits, validate
+from model import (DTYPES, Log, add_common_args, ar_logits, load_checkpoint, lr_at, resume, save_checkpoint,
+                   save_progress, setup)
+
+TAUS = (0.9, 0.6, 0.4)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--init", default="out/opd", help="the policy to start from")
+    ap.add_argument("--out", default="out/rl", help="checkpoint folder to write")
+    ap.add_argument("--policy", choices=["diffusion", "ar"], default="diffusion", help="decode and score as which model")
+    ap.add_argument("--group", type=int, default=8, help="G: rollouts per prompt")
+    ap.add_argument("--prompts-per-step", type=int, default=4, help="prompts per step")
+    ap.add_argument("--tau", type=float, default=0.9, help="commit threshold of the rollouts (diffusion)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
+    ap.add_argument("--clip", type=float, default=0.2, help="epsilon of the clipped ratio")
+    ap.add_argument("--updates", type=int, default=1, help="optimizer steps per batch of rollouts (mu)")
+    ap.add_argument("--chunk", type=int, default=8, help="rollouts per backward pass (memory, not maths)")
+    add_common_args(ap, steps=60, batch_size=0, lr=5e-5, warmup=5, eval_every=20, val_n=200)
+    return ap.parse_args(argv)
+
+
+def rollout_logprobs(model, policy, prompts, roll, block, mask_id, pad_id, temperature):
+    """log pi(y_i) of every kept token (up to and including the end token) and its rollout index."""
+    keep = [len(t) for t in roll.tokens]
+    if policy == "ar":
+        logits = ar_logits(model, prompts, roll.tokens, pad_id)
+        owner = [i for i, k in enumerate(keep) for _ in range(k)]
+        chosen = [t for toks in roll.tokens for t in toks]
+    else:  # [diffusion] each token from the canvas it was committed from
+        logits, order = replay_logits(model, prompts, roll.canvas, roll.steps, block, mask_id, keep, pad_id)
+        owner = [i for i, _ in order]
+        chosen = [roll.tokens[i][r] for i, r in order]
+    logp = torch.log_softmax(logits / max(temperature, 1e-6), -1)
+    return logp.gather(1, torch.tensor(chosen, device=logp.device)[:, None])[:, 0], torch.tensor(owner)
+
+
+def group_advantages(rewards, group):
+    """z-scored rewards inside each group of G; groups with zero variance get None (dropped)."""
+    r = torch.tensor(rewards, dtype=torch.float).view(-1, group)
+    std = r.std(1, keepdim=True)
+    adv = (r - r.mean(1, keepdim=True)) / std.clamp_min(1e-6)
+    keep = (std > 1e-6).expand_as(r)
+    return [a.item() if k else None for a, k in zip(adv.flatten(), keep.flatten())]
+
+
+def clipped_loss(logp, logp_old, adv, eps):
+    """Token-level PPO clip; returns (summed loss, number of clipped tokens)."""
+    ratio = torch.exp(logp - logp_old)
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+    clipped = ((ratio - 1).abs() > eps).sum().item()
+    return loss.sum(), clipped
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = setup(args)
+    train, sid = data.load_split(args.data, "train")
+    valid, _ = data.load_split(args.data, "valid", args.val_n)
+    test, _ = data.load_split(args.data, "test", args.test_n)
+    model, tok, parent = load_checkpoint(args.init, args.attn, DTYPES[args.dtype])
+    model.to(args.device)
+    block, max_new = parent.get("block_size") or 1, parent["max_new"]
+    if (args.policy == "ar") != (parent.get("block_size") is None):
+        raise SystemExit(f"error: --policy {args.policy} does not match {args.init} (block size {parent.get('block_size')})")
+    mode = "ar" if args.policy == "ar" else "diffusion"
+    stage = {"stage": "rl" if mode == "diffusion" else "rl-ar", "parent": str(args.init), "block_size": parent.get("block_size"),
+             "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
+    print(f"rollouts: G={args.group} x {args.prompts_per_step} prompts, tau={args.tau}, temperature={args.temperature}, "
+          f"policy={args.policy}")
+
+    def held_out():
+        """Mean reward of greedy (tau = 1.0) answers on validation prompts, and the validation metrics."""
+        val, texts = validate(model, tok, valid, sid, mode, block, max_new, args.eval_batch)
+        rew = [metrics.rerank_reward(t, [sid[c] for c in ex["candidates"]], sid[ex["target"]]) for t, ex in zip(texts, valid)]
+        return {"val_reward": sum(rew) / len(rew), **val}
+
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    start, state = (0, {}) if args.fresh else resume(out, model, opt)
+    best, log = state.get("best", -1e9), Log(out, fresh=start == 0)
+    t0 = time.time() - state.get("elapsed", 0.0)
+    if start == 0:
+        rec = log(step=0, minutes=0.0, **held_out())
+        print(f"before RL: held-out reward {rec['val_reward']:.4f}, valid {rec['val_valid_rate']:.3f}, R@1 {rec['val_recall1']:.3f}")
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="rl", dynamic_ncols=True)
+    for step in bar:
+        examples = [train[i] for i in data.batch_indices(step, len(train), args.prompts_per_step, args.seed)
+                    for _ in range(args.group)]
+        prompts = [ex["prompt_ids"] for ex in examples]
+        model.eval()
+        gen = torch.Generator(device=args.device).manual_seed(args.seed * 100003 + step)
+        roll, _ = generate(model, tok, prompts, mode, block, args.tau, max_new, len(prompts), args.temperature, gen)
+        texts = [tok.decode(t) for t in roll.tokens]
+        cands = [[sid[c] for c in ex["candidates"]] for ex in examples]
+        rewards = [metrics.rerank_reward(t, c, sid[ex["target"]]) for t, c, ex in zip(texts, cands, examples)]
+        adv = group_advantages(rewards, args.group)
+        kept = [i for i, a in enumerate(adv) if a is not None]
+        judged = [metrics.judge(t, c) for t, c in zip(texts, cands)]
+        rec = {"step": step + 1, "reward": sum(rewards) / len(rewards),
+               "valid_rate": sum(k == "valid" for _, k, _ in judged) / len(judged),
+               "identity_rate": sum(k == "valid" and r == c for (r, k, _), c in zip(judged, cands)) / len(judged),
+               "dropped_groups": 1 - len(kept) / len(adv), "clip_frac": 0.0,
+               "mean_abs_adv": sum(abs(adv[i]) for i in kept) / max(len(kept), 1),
+               "tokens_per_forward": sum(map(len, roll.tokens)) / sum(roll.nfe)}
+        if kept:
+            model.train()
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            n_tokens = sum(len(roll.tokens[i]) for i in kept)
+            chunks = [kept[c:c + args.chunk] for c in range(0, len(kept), args.chunk)]
+            old = {}
+            clipped = 0
+            for update in range(args.updates):
+                for c, idx in enumerate(chunks):
+                    logp, owner = rollout_logprobs(model, args.policy, [prompts[i] for i in idx], roll.select(idx), block,
+                                                   tok.mask_token_id, tok.pad_token_id, args.temperature)
+                    if update == 0:
+                        old[c] = logp.detach()  # pi_old: the policy that made the rollouts
+                    a = torch.tensor([adv[idx[o]] for o in owner.tolist()], device=logp.device)
+                    loss, n_clip = clipped_loss(logp, old[c], a, args.clip)
+                    (loss / n_tokens).backward()
+                    clipped += n_clip
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            rec["clip_frac"] = clipped / (n_tokens * args.updates)
+        bar.set_postfix(reward=f"{rec['reward']:.3f}", valid=f"{rec['valid_rate']:.2f}", ident=f"{rec['identity_rate']:.2f}")
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            rec.update(minutes=(time.time() - t0) / 60, **held_out())
+            tqdm.write(f"step {step + 1:4d} | {rec['minutes']:5.1f} min | held-out reward {rec['val_reward']:.4f} | "
+                       f"valid {rec['val_valid_rate']:.3f} R@1 {rec['val_recall1']:.3f} | identity {rec['identity_rate']:.2f}")
+            if rec["val_reward"] > best:
+                best = rec["val_reward"]
+                save_checkpoint(out, model, tok, {**stage, "step": step + 1, "val": {k: v for k, v in rec.items()}})
+            save_progress(out, model, tok, stage, opt, step + 1, {"best": best, "elapsed": time.time() - t0})
+        log(**rec)
+
+    model, tok, stage = load_checkpoint(out, args.attn, DTYPES[args.dtype])
+    model.to(args.device)
+    print(f"RL took {(time.time() - t0) / 60:.1f} min; testing the best checkpoint (step {stage['step']}) ...")
+    return metrics.run_test(out, model, tok, test, sid, mode, block, max_new, args.eval_batch, TAUS if mode == "diffusion" else ())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The whole Diffusion-GR2 recipe in one command: data -> AR re-ranker -> naive conversion -> CFT -> OPD -> RL -> report.
+#
+#   bash run.sh                                    # synthetic default on a CPU (under 2 hours on 2 cores)
+#   bash run.sh --quick                            # every stage for a few steps: the mechanics only (minutes)
+#   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty
+#
+# A finished stage (its metrics.json exists) is skipped; an interrupted one resumes from its OUT/<stage>/last.
+# Every stage is also a script of its own: see the commands this prints.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+SOURCE=synthetic RAW="" OUT="" QUICK=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --data) SOURCE="$2"; shift 2 ;;
+    --raw) RAW="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    --quick) QUICK=1; shift ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+case "$SOURCE" in synthetic|beauty) ;; *) echo "run.sh: --data is synthetic or beauty, not '$SOURCE'" >&2; exit 2 ;; esac
+if [ "$SOURCE" = beauty ] && [ -z "$RAW" ]; then echo "run.sh: --data beauty needs --raw DIR" >&2; exit 2; fi
+
+DATA="data/$SOURCE"
+if [ "$QUICK" = 1 ]; then
+  DATA="data/$SOURCE-quick"; OUT="${OUT:-out-quick}"
+  DATA_ARGS="--max-eval 64"; [ "$SOURCE" = synthetic ] && DATA_ARGS="$DATA_ARGS --users 1500"
+  SFT="--steps 40 --eval-every 20 --val-n 16"; CFT="--epochs 0.1 --eval-every 20 --val-n 16"
+  OPD="--steps 4 --eval-every 4 --val-n 16 --kl-n 16"; RL="--steps 4 --eval-every 4 --val-n 16"; REPORT="--bench-n 8"
+else
+  OUT="${OUT:-out}"; DATA_ARGS=""; SFT=""; CFT=""; OPD=""; RL=""; REPORT=""
+fi
+[ -n "$RAW" ] && DATA_ARGS="$DATA_ARGS --raw $RAW"
+[ "$SOURCE" = beauty ] && SFT="$SFT --steps 3000"  # a larger, noisier task: more steps
+
+stage() {  # stage NAME COMMAND...: run unless NAME already finished
+  local name="$1"; shift
+  if [ -f "$OUT/$name/metrics.json" ]; then echo "== $name: done ($OUT/$name/metrics.json)"; return; fi
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@"
+  echo "== $name took $(( (SECONDS - t0) / 60 )) min"
+}
+
+mkdir -p "$OUT"
+T0=$SECONDS
+if [ ! -f "$DATA/stats.json" ]; then
+  echo "== data: python data.py --source $SOURCE --out $DATA $DATA_ARGS"
+  python data.py --source "$SOURCE" --out "$DATA" $DATA_ARGS
+fi
+stage sft   python sft.py --data "$DATA" --out "$OUT/sft" $SFT
+stage naive python cft.py --data "$DATA" --init "$OUT/sft" --out "$OUT/naive" --epochs 0
+stage cft   python cft.py --data "$DATA" --init "$OUT/sft" --out "$OUT/cft" $CFT
+stage opd   python opd.py --data "$DATA" --init "$OUT/cft" --teacher "$OUT/sft" --out "$OUT/opd" $OPD
+stage rl    python rl.py  --data "$DATA" --init "$OUT/opd" --out "$OUT/rl" $RL
+echo "== report: python eval.py --report --run $OUT --data $DATA $REPORT"
+python eval.py --report --run "$OUT" --data "$DATA" $REPORT
+echo "== pipeline finished in $(( (SECONDS - T0) / 60 )) min: $OUT/results.md"

@@ -1,0 +1,111 @@
+"""The whole recipe for a few steps on a micro random-init Qwen3: every script, every output file.
+
+Run once with the small word-level tokenizer and once with the real Qwen3 tokenizer (when the shared
+copy is present), so the hub-model path cannot rot.
+"""
+import json
+
+import pytest
+import torch
+
+import cft
+import data
+import eval as metrics
+import opd
+import rl
+import sft
+from conftest import SHARED
+from model import load_checkpoint
+
+QWEN = SHARED / "qwen3-tokenizer"
+METRIC_FILE_KEYS = {"recall@1", "recall@3", "ndcg@3", "recall@5", "ndcg@5", "valid_rate", "invalid", "n", "floor"}
+
+
+def run_pipeline(root, tokenizer):
+    d, out = root / "data", root / "out"
+    assert data.main(["--out", str(d), "--users", "150", "--max-eval", "4", "--tokenizer", tokenizer]) == 0
+    common = ["--data", str(d), "--val-n", "2", "--eval-batch", "4"]
+    sft.main(common + ["--out", str(out / "sft"), "--model", "micro", "--steps", "2", "--eval-every", "2",
+                       "--batch-size", "4", "--max-new", "32"])
+    cft.main(common + ["--init", str(out / "sft"), "--out", str(out / "naive"), "--epochs", "0", "--block", "8"])
+    cft.main(common + ["--init", str(out / "sft"), "--out", str(out / "cft"), "--epochs", "0.002", "--block", "8",
+                       "--batch-size", "2", "--eval-every", "1"])
+    opd.main(common + ["--init", str(out / "cft"), "--teacher", str(out / "sft"), "--out", str(out / "opd"),
+                       "--steps", "1", "--prompts-per-step", "1", "--group", "2", "--kl-n", "2"])
+    rl.main(common + ["--init", str(out / "opd"), "--out", str(out / "rl"), "--steps", "1", "--prompts-per-step", "1",
+                      "--group", "2"])
+    metrics.report(out, d, bench_n=2, batch_sizes=(1,), taus=(1.0, 0.9))
+    return d, out
+
+
+@pytest.fixture(scope="module")
+def word_run(tmp_path_factory):
+    return run_pipeline(tmp_path_factory.mktemp("word"), "word")
+
+
+def check_outputs(d, out):
+    for stage in ("sft", "naive", "cft", "opd", "rl"):
+        m = json.loads((out / stage / "metrics.json").read_text())
+        assert METRIC_FILE_KEYS <= set(m), stage
+        if stage != "sft":
+            assert set(m["by_tau"]) == {"0.9", "0.6", "0.4"} and "tokens_per_forward" in m["by_tau"]["0.9"]
+        preds = metrics.read_jsonl(out / stage / "predictions.jsonl")
+        assert len(preds) == m["n"] and {"id", "candidates", "target", "response", "parsed", "validity"} <= set(preds[0])
+        stage_info = json.loads((out / stage / "stage.json").read_text())
+        assert stage_info["stage"] == stage and (stage == "sft") == (stage_info["block_size"] is None)
+    res = json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in res["table1"]][:2] == ["retriever floor", "AR re-ranker (GR2)"] and len(res["table1"]) == 6
+    assert {"decoder", "tau", "batch", "recall@1", "valid_rate", "tokens_per_s", "tokens_per_forward", "speedup"} <= set(res["table2"][0])
+    for f in ("results.md", "frontier.png", "curves.png", "masks.png"):
+        assert (out / f).stat().st_size > 0
+
+
+def test_word_tokenizer_pipeline_writes_every_output(word_run):
+    check_outputs(*word_run)
+
+
+def test_naive_conversion_keeps_every_ar_weight(word_run):
+    _, out = word_run
+    ar, tok, _ = load_checkpoint(out / "sft")
+    naive, _, stage = load_checkpoint(out / "naive")
+    a, b = ar.state_dict(), naive.state_dict()
+    emb = "model.embed_tokens.weight"
+    for k in a:
+        if k not in (emb, "lm_head.weight"):  # the head is tied to the embedding
+            assert torch.equal(a[k], b[k]), k
+    rows = torch.ones(a[emb].shape[0], dtype=torch.bool)
+    rows[tok.mask_token_id] = False
+    assert torch.equal(a[emb][rows], b[emb][rows])            # every row but the mask token's
+    assert not torch.equal(a[emb][~rows], b[emb][~rows])       # which is set to the mean
+    assert stage["block_size"] == 8 and stage["mask_token_id"] == tok.mask_token_id
+
+
+def test_interrupted_training_resumes_to_the_same_weights(word_run, tmp_path, monkeypatch):
+    d, _ = word_run
+    args = ["--data", str(d), "--val-n", "2", "--eval-batch", "4", "--model", "micro", "--batch-size", "4",
+            "--max-new", "8", "--eval-every", "1", "--steps", "3", "--test-n", "2"]
+    sft.main(args + ["--out", str(tmp_path / "straight")])
+    save = sft.save_progress
+
+    def crash_after_step_two(out, model, tok, stage, opt, step, state):
+        save(out, model, tok, stage, opt, step, state)
+        if step == 2:
+            raise KeyboardInterrupt  # the power goes out right after the step-2 checkpoint
+
+    monkeypatch.setattr(sft, "save_progress", crash_after_step_two)
+    with pytest.raises(KeyboardInterrupt):
+        sft.main(args + ["--out", str(tmp_path / "resumed")])
+    monkeypatch.setattr(sft, "save_progress", save)
+    sft.main(args + ["--out", str(tmp_path / "resumed")])  # the same command again
+    a, _, _ = load_checkpoint(tmp_path / "straight" / "last")
+    b, _, _ = load_checkpoint(tmp_path / "resumed" / "last")
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert [r["step"] for r in metrics.read_jsonl(tmp_path / "resumed" / "log.jsonl")] == [1, 2, 3]
+
+
+@pytest.mark.skipif(not QWEN.exists(), reason="shared Qwen3 tokenizer not present")
+def test_qwen3_tokenizer_pipeline(tmp_path):
+    d, out = run_pipeline(tmp_path, str(QWEN))
+    check_outputs(d, out)
+    _, tok, _ = load_checkpoint(out / "rl")
+    assert tok.mask_token_id == 151669 and len(tok) > 151669

@@ -1,0 +1,83 @@
+"""The training stages' own mechanics: CFT learns, OPD's divergence and fixed point, RL's reward plumbing."""
+import torch
+
+from conftest import EOS, MASK, PAD, random_prompts, tiny
+from decode import diffusion_generate
+from model import diffusion_loss, token_kl
+from opd import opd_loss
+from rl import clipped_loss, group_advantages, rollout_logprobs
+
+
+def test_cft_loss_goes_down_on_a_tiny_model():
+    model = tiny()
+    model.train()
+    batch = {"prompt_ids": random_prompts(4), "response_ids": random_prompts(4, 9, 14, seed=5), "n_reasoning": [4] * 4}
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(40):
+        g = torch.Generator().manual_seed(step)
+        loss, n = diffusion_loss(model, batch, 4, MASK, EOS, t_range=(0.02, 0.98), generator=g)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert n > 0 and sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+
+
+def test_kl_matches_its_closed_form():
+    p = torch.tensor([[0.5, 0.25, 0.25], [0.9, 0.05, 0.05]])
+    q = torch.tensor([[0.25, 0.25, 0.5], [1 / 3, 1 / 3, 1 / 3]])
+    forward = (p * (p / q).log()).sum(-1)   # KL(p || q), p = teacher
+    reverse = (q * (q / p).log()).sum(-1)   # KL(q || p), q = student
+    logits_q = q.log() + 7.0                # any constant shift: the student gives raw logits
+    assert torch.allclose(token_kl(p.log(), logits_q), forward, atol=1e-6)
+    assert torch.allclose(token_kl(p.log(), logits_q, reverse=True), reverse, atol=1e-6)
+    assert token_kl(p.log(), p.log()).abs().max() < 1e-6
+
+
+def test_opd_with_itself_as_teacher_at_block_one_is_zero_with_no_gradient():
+    model = tiny(sharpen=4.0)
+    prompts = random_prompts(3)
+    roll = diffusion_generate(model, prompts, 1, 0.9, 12, MASK, EOS, PAD, temperature=1.0,
+                              generator=torch.Generator().manual_seed(0))
+    loss = opd_loss(model, model, prompts, roll, 1, MASK, PAD)
+    loss.backward()
+    assert abs(loss.item()) < 1e-5
+    assert max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None) < 1e-5
+
+
+def test_opd_loss_is_positive_against_another_teacher():
+    student, teacher = tiny(sharpen=4.0), tiny(seed=1, sharpen=4.0)
+    prompts = random_prompts(2)
+    roll = diffusion_generate(student, prompts, 4, 0.9, 12, MASK, EOS, PAD)
+    assert opd_loss(student, teacher, prompts, roll, 4, MASK, PAD).item() > 0.01
+
+
+def test_zero_variance_groups_are_dropped():
+    adv = group_advantages([1.0, 1.0, 1.0, 0.5, -1.0, 0.2], group=3)
+    assert adv[:3] == [None, None, None]
+    assert all(a is not None for a in adv[3:]) and abs(sum(adv[3:])) < 1e-6
+
+
+def test_unchanged_policy_has_ratio_exactly_one():
+    model = tiny(sharpen=30.0)
+    prompts = random_prompts(2)
+    roll = diffusion_generate(model, prompts, 4, 0.8, 12, MASK, EOS, PAD, temperature=1.0,
+                              generator=torch.Generator().manual_seed(1))
+    logp, owner = rollout_logprobs(model, "diffusion", prompts, roll, 4, MASK, PAD, 1.0)
+    again, _ = rollout_logprobs(model, "diffusion", prompts, roll, 4, MASK, PAD, 1.0)
+    assert torch.equal(torch.exp(again - logp.detach()), torch.ones_like(logp))
+    loss, clipped = clipped_loss(again, logp.detach(), torch.ones_like(logp), 0.2)
+    assert clipped == 0 and torch.allclose(loss, -torch.ones_like(logp).sum())
+    assert len(owner) == sum(len(t) for t in roll.tokens)
+
+
+def test_ar_policy_log_probs_are_the_causal_ones():
+    from decode import ar_generate
+    model = tiny(sharpen=4.0)
+    prompts = random_prompts(2)
+    roll = ar_generate(model, prompts, 8, EOS, PAD, temperature=1.0, generator=torch.Generator().manual_seed(2))
+    logp, _ = rollout_logprobs(model, "ar", prompts, roll, 1, MASK, PAD, 1.0)
+    p, r = prompts[0], roll.tokens[0]
+    ref = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1], -1)
+    assert torch.allclose(logp[:len(r)], ref.gather(1, torch.tensor(r)[:, None])[:, 0], atol=1e-5)
