@@ -50,7 +50,7 @@ def parse_args(argv=None):
     ap.add_argument("--inv-t", action="store_true", help="weight each target by 1/t (assumption: off, as Fast-dLLM v2)")
     ap.add_argument("--no-complementary", action="store_true",
                     help="do not also train each row with the inverted mask (assumption: complementary masks on)")
-    add_common_args(ap, batch_size=16, lr=7e-4, warmup=50, eval_every=150, val_n=200)
+    add_common_args(ap, steps=0, batch_size=16, lr=7e-4, warmup=50, eval_every=150, val_n=200)
     return ap.parse_args(argv)
 
 
@@ -77,9 +77,9 @@ def main(argv=None):
              "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
     if args.epochs == 0:  # the naive conversion: no training at all
         save_checkpoint(out, model, tok, {**stage, "step": 0})
-        return metrics.run_test(out, model, tok, test, sid, "diffusion", args.block, max_new, args.eval_batch, TAUS)
+        return metrics.run_test(out, model, tok, test, sid, "diffusion", args.block, max_new, args.eval_batch, TAUS, args.tau_n)
 
-    steps = round(args.epochs * len(train) / args.batch_size)
+    steps = args.steps or max(1, round(args.epochs * len(train) / args.batch_size))
     print(f"CFT: {len(train)} traces x {args.epochs} epochs = {steps} steps of {args.batch_size} "
           f"(x2 rows with complementary masks), block {args.block}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -121,7 +121,7 @@ def main(argv=None):
     model, tok, stage = load_checkpoint(out, args.attn, DTYPES[args.dtype])
     model.to(args.device)
     print(f"CFT took {(time.time() - t0) / 60:.1f} min; testing the best checkpoint (step {stage['step']}) ...")
-    return metrics.run_test(out, model, tok, test, sid, "diffusion", args.block, max_new, args.eval_batch, TAUS)
+    return metrics.run_test(out, model, tok, test, sid, "diffusion", args.block, max_new, args.eval_batch, TAUS, args.tau_n)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Per-source defaults: the synthetic task is sized for fast learning on a CPU.
-SOURCE_DEFAULTS = {"synthetic": dict(codebook=256, history=5, title_words=3, max_eval=1000),
+SOURCE_DEFAULTS = {"synthetic": dict(codebook=256, history=5, title_words=3, max_eval=500),
                    "beauty": dict(codebook=256, history=6, title_words=5, max_eval=0)}
 # Strategies of the trace teacher: weights of (brand, category, next-in-routine, retriever top-3).
 STRATEGIES = {"routine": (2, 0, 4, 1), "brand": (4, 0, 1, 2), "retriever": (1, 0, 1, 4), "taste": (1, 3, 1, 1)}
@@ -481,7 +481,7 @@ def build(args, log=print):
               "valid": [(u, len(s) - 2) for u, s in enumerate(seqs)],
               "test": [(u, len(s) - 1) for u, s in enumerate(seqs)]}
     rng = np.random.default_rng(args.seed)
-    data, stats_examples, kept, tried = {}, {}, 0, 0
+    data, stats_examples, all_examples, kept, tried = {}, {}, {}, 0, 0
     for split, pairs in splits.items():
         hists = [seqs[u][:t] for u, t in pairs]
         own = [train_seqs[u] for u, _ in pairs] if split == "train" else None
@@ -507,12 +507,14 @@ def build(args, log=print):
             rows.append({"id": f"{split}-u{u}-t{t}", "user": u, "history": hist, "candidates": cands,
                          "target": target, "prompt": prompt_text(items, sid, hist, cands, title_words),
                          "reasoning": reasoning, "answer": answer})
+        all_examples[split] = len(rows)
         max_eval = d["max_eval"] if args.max_eval is None else args.max_eval
         if split != "train" and max_eval and len(rows) > max_eval:  # a fixed, seeded subset keeps evaluation quick
             rows = [rows[i] for i in sorted(np.random.default_rng(args.seed).choice(len(rows), max_eval, replace=False))]
         data[split] = rows
         stats_examples[split] = len(rows)
-        log(f"{split}: {len(pairs)} positions -> {len(rows)} re-rank examples")
+        log(f"{split}: {len(pairs)} positions -> {all_examples[split]} re-rank examples" +
+            (f", a seeded subset of {len(rows)} kept" if len(rows) < all_examples[split] else ""))
     log(f"retriever on the full test split: Recall@10 {recall10:.4f}  NDCG@10 {ndcg10:.4f}")
 
     sid_tokens = [f"<{lv}_{j}>" for lv, n in zip("abcd", codes.max(0) + 1) for j in range(n)]
@@ -539,6 +541,7 @@ def build(args, log=print):
     stats = {"source": args.source, "users": len(seqs), "items": len(items), "interactions": sum(map(len, seqs)),
              "sid_unique_rate": sid_unique, "sid_prefix_unique_rate": prefix_unique, "codebook": codebook,
              "retriever_recall@10": recall10, "retriever_ndcg@10": ndcg10, "examples": stats_examples,
+             "examples_before_cap": all_examples,
              "teacher_kept_rate": kept / max(tried, 1),
              "floor": {k: floor[k] for k in metrics.METRIC_KEYS},
              "strategy_recall@1_test": evid,
@@ -605,7 +608,7 @@ def main(argv=None):
     ap.add_argument("--users", type=int, default=8000, help="synthetic only: number of users")
     ap.add_argument("--codebook", type=int, default=0, help="codes per SID level (0 = 256, TIGER's size)")
     ap.add_argument("--history", type=int, default=0, help="history items shown in the prompt (0 = default: 5 synthetic, 6 beauty)")
-    ap.add_argument("--max-eval", type=int, default=None, help="cap on valid/test examples, a seeded subset (default: 1000 synthetic, all beauty)")
+    ap.add_argument("--max-eval", type=int, default=None, help="cap on valid/test examples, a seeded subset (default: 500 synthetic, all beauty)")
     ap.add_argument("--title-words", type=int, default=0, help="words of each title shown (0 = default: 3 synthetic, 5 beauty)")
     args = ap.parse_args(argv)
     if args.source == "beauty" and not args.raw:

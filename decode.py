@@ -132,10 +132,12 @@ def ar_generate(model, prompts, max_new, eos_id, pad_id, temperature=0.0, genera
 
 @torch.no_grad()
 def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad_id, temperature=0.0,
-                       generator=None, use_cache=True, on_step=None):  # [diffusion]
+                       generator=None, use_cache=True, on_step=None, sub_block=0):  # [diffusion]
     """Block-diffusion decoding (module docstring). Returns a Rollout with canvas, step map and NFE.
 
     use_cache=False recomputes the whole sequence at every step (the reference the cache must match).
+    sub_block > 0 only commits inside the leftmost sub-block of that size that still has masks
+    (Fast-dLLM v2's small blocks); 0 lets any masked position of the block be committed.
     on_step(block, step, canvas, committed, logits) is called after every step (viewer, tests).
     """
     B, n_blocks = len(prompts), -(-max_new // block)
@@ -163,6 +165,9 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
                 pred = state.edge[:, None].expand(B, block, -1).clone()
             pred[..., mask_id] = -float("inf")  # never emit the mask token
             tok, conf = pick(pred, temperature, generator)
+            if sub_block:  # only the leftmost sub-block with masks may commit
+                first = masked.float().argmax(1, keepdim=True) // sub_block
+                masked = masked & (torch.arange(block, device=dev)[None] // sub_block == first)
             conf = torch.where(masked, conf, -1.0)
             commit = (conf >= tau) & masked if tau < 1.0 else torch.zeros_like(masked)
             commit[torch.arange(B, device=dev), conf.argmax(1)] |= masked.any(1)  # at least the most confident one
@@ -208,11 +213,12 @@ def replay_rows(prompt, canvas, steps, block, mask_id):  # [diffusion]
     return noisy, targets
 
 
-def replay_logits(model, prompts, canvases, steps, block, mask_id, keep, pad_id=0):  # [diffusion]
+def replay_logits(model, prompts, canvases, steps, block, mask_id, keep, pad_id=0, max_rows=64):  # [diffusion]
     """Logits (N, V) of every kept token from the canvas it was committed from, in trajectory order.
 
     keep[i] is the number of leading response positions of trajectory i to score (its length up to
-    the end token). Returns the logits and the (trajectory, position) of each row of them.
+    the end token). Returns the logits and the (trajectory, position) of each of their rows. Rows go
+    through the model max_rows at a time (the attention scores of a masked forward are materialised).
     """
     all_p, all_resp, all_noisy, where = [], [], [], []
     for i, (p, c, st) in enumerate(zip(prompts, canvases, steps)):
@@ -221,13 +227,15 @@ def replay_logits(model, prompts, canvases, steps, block, mask_id, keep, pad_id=
             tg = [r for r in tg if r < keep[i]]
             if tg:
                 all_p.append(p); all_resp.append(c); all_noisy.append(row); where.append((i, tg))
-    rows = build_rows(all_p, all_resp, block, noisy=all_noisy, pad_id=pad_id)
-    src, _ = target_sources(rows, [len(c) for c in all_resp], block)
-    b = torch.tensor([k for k, (_, tg) in enumerate(where) for _ in tg])
-    r = torch.tensor([x for _, tg in where for x in tg])
-    logits = gather_logits(model, hidden_states(model, rows), (b, src[b, r]))
+    logits = []
+    for s in range(0, len(where), max_rows):
+        rows = build_rows(all_p[s:s + max_rows], all_resp[s:s + max_rows], block, noisy=all_noisy[s:s + max_rows], pad_id=pad_id)
+        src, _ = target_sources(rows, [len(c) for c in all_resp[s:s + max_rows]], block)
+        b = torch.tensor([k for k, (_, tg) in enumerate(where[s:s + max_rows]) for _ in tg])
+        r = torch.tensor([x for _, tg in where[s:s + max_rows] for x in tg])
+        logits.append(gather_logits(model, hidden_states(model, rows), (b, src[b, r])))
     order = [(i, x) for i, tg in where for x in tg]
-    return logits, order
+    return torch.cat(logits), order
 
 
 # ----------------------------------------------------------------------------- decode and score a split

@@ -192,13 +192,14 @@ def stage_metrics(quality, examples, by_tau=None):
     floor = summarize(floor_rows(examples))
     out["floor"] = {k: floor[k] for k in (*METRIC_KEYS, "n")}
     if by_tau:
-        out["by_tau"] = {str(t): {k: m[k] for k in (*METRIC_KEYS, "valid_rate", "invalid", "tokens_per_forward", "tokens_per_s")}
+        out["by_tau"] = {str(t): {k: m[k] for k in (*METRIC_KEYS, "valid_rate", "invalid", "n", "tokens_per_forward", "tokens_per_s")}
                          for t, m in by_tau.items()}
     return out
 
 
-def run_test(out, model, tok, examples, sid_of, mode, block=32, max_new=256, batch_size=64, taus=()):
-    """Final test of a stage: quality mode (AR greedy / tau = 1.0), plus `taus` for diffusion checkpoints.
+def run_test(out, model, tok, examples, sid_of, mode, block=32, max_new=256, batch_size=64, taus=(), tau_n=0):
+    """Final test of a stage: quality mode (AR greedy / tau = 1.0), plus `taus` (on the first tau_n examples,
+    0 = all) for diffusion checkpoints.
 
     Writes OUT/metrics.json and OUT/predictions.jsonl (the stage convention) and prints the table.
     """
@@ -207,7 +208,8 @@ def run_test(out, model, tok, examples, sid_of, mode, block=32, max_new=256, bat
     from decode import evaluate  # here, not at the top: decode.py imports this module
     quality, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, block, 1.0, max_new, batch_size, progress=True)
     write_predictions(Path(out) / "predictions.jsonl", examples, sid_of, texts, rows, roll.nfe)
-    by_tau = {t: evaluate(model, tok, examples, sid_of, mode, block, t, max_new, batch_size, progress=True)[0] for t in taus}
+    sub = examples[:tau_n] if tau_n else examples
+    by_tau = {t: evaluate(model, tok, sub, sid_of, mode, block, t, max_new, batch_size, progress=True)[0] for t in taus}
     result = stage_metrics(quality, examples, by_tau)
     (Path(out) / "metrics.json").write_text(json.dumps(result, indent=2))
     name = "AR greedy" if mode == "ar" else "tau=1.0"

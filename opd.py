@@ -49,7 +49,7 @@ def parse_args(argv=None):
     ap.add_argument("--clean-prefix", action="store_true",
                     help="score each token from a clean prefix instead of its replayed canvas (assumption: replay)")
     ap.add_argument("--chunk", type=int, default=8, help="trajectories per backward pass (memory, not maths)")
-    ap.add_argument("--kl-n", type=int, default=200, help="test prompts for the KL-to-teacher figure")
+    ap.add_argument("--kl-n", type=int, default=100, help="test prompts for the KL-to-teacher figure")
     add_common_args(ap, steps=80, batch_size=0, lr=1e-4, warmup=5, eval_every=40, val_n=200)
     return ap.parse_args(argv)
 
@@ -83,7 +83,7 @@ def test_kl(student, teacher, tok, examples, block, max_new, batch):
     total, n = 0.0, 0
     for s in range(0, len(examples), batch):
         prompts = [ex["prompt_ids"] for ex in examples[s:s + batch]]
-        roll, _ = generate(student, tok, prompts, "diffusion", block, 1.0, max_new, batch)
+        roll, _ = generate(student, tok, prompts, "diffusion", block, 1.0, max_new, len(prompts))
         total += opd_loss(student, teacher, prompts, roll, block, tok.mask_token_id, tok.pad_token_id).item()
         n += len(prompts)
     return total / max(n, 1)
@@ -109,7 +109,7 @@ def main(argv=None):
     best, log = state.get("best", -1.0), Log(out, fresh=start == 0)
     t0 = time.time() - state.get("elapsed", 0.0)
     if start == 0:
-        state["kl_init"] = test_kl(student, teacher, tok, kl_examples, block, max_new, args.eval_batch)
+        state["kl_init"] = test_kl(student, teacher, tok, kl_examples, block, max_new, 16)
         log(step=0, minutes=0.0, kl_test=state["kl_init"], **validate(student, tok, valid, sid, "diffusion", block, max_new, args.eval_batch)[0])
         print(f"before OPD: test KL to the teacher {state['kl_init']:.4f}")
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="opd", dynamic_ncols=True)
@@ -155,10 +155,10 @@ def main(argv=None):
     student, tok, stage = load_checkpoint(out, args.attn, DTYPES[args.dtype])
     student.to(args.device)
     print(f"OPD took {(time.time() - t0) / 60:.1f} min; testing the best checkpoint (step {stage['step']}) ...")
-    result = metrics.run_test(out, student, tok, test, sid, "diffusion", block, max_new, args.eval_batch, TAUS)
+    result = metrics.run_test(out, student, tok, test, sid, "diffusion", block, max_new, args.eval_batch, TAUS, args.tau_n)
     teacher_preds = metrics.read_jsonl(f"{args.teacher}/predictions.jsonl")
     result["kl_to_teacher"] = {"init": state["kl_init"],
-                               "final": test_kl(student, teacher, tok, kl_examples, block, max_new, args.eval_batch)}
+                               "final": test_kl(student, teacher, tok, kl_examples, block, max_new, 16)}
     result["teacher_agreement"] = {
         "init": metrics.agreement(metrics.read_jsonl(f"{args.init}/predictions.jsonl"), teacher_preds),
         "final": metrics.agreement(metrics.read_jsonl(out / "predictions.jsonl"), teacher_preds)}

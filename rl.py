@@ -169,7 +169,8 @@ def main(argv=None):
     model, tok, stage = load_checkpoint(out, args.attn, DTYPES[args.dtype])
     model.to(args.device)
     print(f"RL took {(time.time() - t0) / 60:.1f} min; testing the best checkpoint (step {stage['step']}) ...")
-    return metrics.run_test(out, model, tok, test, sid, mode, block, max_new, args.eval_batch, TAUS if mode == "diffusion" else ())
+    return metrics.run_test(out, model, tok, test, sid, mode, block, max_new, args.eval_batch,
+                           TAUS if mode == "diffusion" else (), args.tau_n)
 
 
 if __name__ == "__main__":

@@ -26,10 +26,10 @@ def run_pipeline(root, tokenizer):
     assert data.main(["--out", str(d), "--users", "150", "--max-eval", "4", "--tokenizer", tokenizer]) == 0
     common = ["--data", str(d), "--val-n", "2", "--eval-batch", "4"]
     sft.main(common + ["--out", str(out / "sft"), "--model", "micro", "--steps", "2", "--eval-every", "2",
-                       "--batch-size", "4", "--max-new", "32"])
+                       "--batch-size", "2", "--max-new", "32"])
     cft.main(common + ["--init", str(out / "sft"), "--out", str(out / "naive"), "--epochs", "0", "--block", "8"])
-    cft.main(common + ["--init", str(out / "sft"), "--out", str(out / "cft"), "--epochs", "0.002", "--block", "8",
-                       "--batch-size", "2", "--eval-every", "1"])
+    cft.main(common + ["--init", str(out / "sft"), "--out", str(out / "cft"), "--steps", "1", "--block", "8",
+                       "--batch-size", "1", "--eval-every", "1"])
     opd.main(common + ["--init", str(out / "cft"), "--teacher", str(out / "sft"), "--out", str(out / "opd"),
                        "--steps", "1", "--prompts-per-step", "1", "--group", "2", "--kl-n", "2"])
     rl.main(common + ["--init", str(out / "opd"), "--out", str(out / "rl"), "--steps", "1", "--prompts-per-step", "1",
