@@ -16,14 +16,13 @@ No constrained decoder anywhere: the valid permutations must come from the model
 real block-diffusion decoder at tau = 1.0 and tau = 0.9.
 
     python cft.py --data data/synthetic --init out/sft --out out/naive --epochs 0    # the naive row
-    python cft.py --data data/synthetic --init out/sft --out out/cft                  # CPU (~30 min)
+    python cft.py --data data/synthetic --init out/sft --out out/cft                  # CPU (~40 min)
     python cft.py --data data/synthetic-qwen3 --init out/sft-qwen --out out/cft-qwen \\
         --dtype bfloat16 --device cuda --batch-size 16 --lr 1e-5                      # one GPU
 """
 import argparse
 import math
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -41,7 +40,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--init", default="out/sft", help="the AR re-ranker checkpoint to convert")
     ap.add_argument("--out", default="out/cft", help="checkpoint folder to write")
-    ap.add_argument("--epochs", type=float, default=3.0, help="passes over the traces (the paper: 3); 0 = naive conversion")
+    ap.add_argument("--epochs", type=float, default=2.0,  # assumption: the paper trains 3 epochs; 2 fit the 45-minute CPU budget
+                    help="passes over the traces (the paper: 3); 0 = naive conversion")
     ap.add_argument("--block", type=int, default=32, help="block size B")  # [diffusion]
     ap.add_argument("--t-min", type=float, default=0.02, help="lowest noise level (assumption: U(t_min, t_max))")
     ap.add_argument("--t-max", type=float, default=0.98, help="highest noise level")
@@ -50,7 +50,7 @@ def parse_args(argv=None):
     ap.add_argument("--inv-t", action="store_true", help="weight each target by 1/t (assumption: off, as Fast-dLLM v2)")
     ap.add_argument("--no-complementary", action="store_true",
                     help="do not also train each row with the inverted mask (assumption: complementary masks on)")
-    add_common_args(ap, steps=0, batch_size=16, lr=7e-4, warmup=50, eval_every=150, val_n=200)
+    add_common_args(ap, steps=0, batch_size=16, lr=7e-4, warmup=50, eval_every=150, val_n=100)
     return ap.parse_args(argv)
 
 

@@ -171,15 +171,15 @@ def read_jsonl(path):
 
 
 # ----------------------------------------------------------------------------- the stage convention
-def write_predictions(path, examples, sid_of, texts, rows, nfe=None):
+def write_predictions(path, examples, sid_of, texts, rows, roll=None):
     """OUT/predictions.jsonl: everything needed to recompute the metrics and study the errors."""
     import json
     with open(path, "w") as f:
         for k, (ex, text, row) in enumerate(zip(examples, texts, rows)):
             rec = {"id": ex["id"], "candidates": [sid_of[i] for i in ex["candidates"]], "target": sid_of[ex["target"]],
                    "response": text, "parsed": row["parsed"], "validity": row["validity"]}
-            if nfe is not None:
-                rec["nfe"] = nfe[k]
+            if roll is not None:  # the decoding cost of this response
+                rec.update(n_tokens=len(roll.tokens[k]), nfe=roll.nfe[k])
             f.write(json.dumps(rec) + "\n")
 
 
@@ -207,9 +207,12 @@ def run_test(out, model, tok, examples, sid_of, mode, block=32, max_new=256, bat
     from pathlib import Path
     from decode import evaluate  # here, not at the top: decode.py imports this module
     quality, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, block, 1.0, max_new, batch_size, progress=True)
-    write_predictions(Path(out) / "predictions.jsonl", examples, sid_of, texts, rows, roll.nfe)
+    write_predictions(Path(out) / "predictions.jsonl", examples, sid_of, texts, rows, roll)
     sub = examples[:tau_n] if tau_n else examples
-    by_tau = {t: evaluate(model, tok, sub, sid_of, mode, block, t, max_new, batch_size, progress=True)[0] for t in taus}
+    by_tau = {}
+    for t in taus:  # each threshold keeps its predictions too: the report pairs the stages on them
+        by_tau[t], rows, texts, roll = evaluate(model, tok, sub, sid_of, mode, block, t, max_new, batch_size, progress=True)
+        write_predictions(Path(out) / f"predictions_tau{t}.jsonl", sub, sid_of, texts, rows, roll)
     result = stage_metrics(quality, examples, by_tau)
     (Path(out) / "metrics.json").write_text(json.dumps(result, indent=2))
     name = "AR greedy" if mode == "ar" else "tau=1.0"
@@ -241,45 +244,44 @@ def reasoning_quality(preds, examples, sid_of):
     return real / cited if cited else float("nan")
 
 
-def stage_predictions(run, stage, model_dir, test, sid_of, tok):
-    """The stage's own quality-mode predictions when they cover the test split, else a fresh decode."""
-    path = Path(run) / stage / "predictions.jsonl"
-    if path.exists():
-        preds = read_jsonl(path)
-        if [p["id"] for p in preds] == [ex["id"] for ex in test]:
-            return preds
+def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0):
+    """The stage's own predictions at `tau` when they cover `examples`, else a fresh decode (kept in run/report)."""
+    name = "predictions.jsonl" if tau == 1.0 else f"predictions_tau{tau}.jsonl"
+    fresh = Path(run) / "report" / f"{stage}_{name}"
+    for path in (Path(run) / stage / name, fresh):  # the stage's own file, or one an earlier report decoded
+        if path.exists():
+            preds = read_jsonl(path)
+            if [p["id"] for p in preds] == [ex["id"] for ex in examples]:
+                return preds
     from decode import evaluate
     from model import load_checkpoint
-    model, _, st = load_checkpoint(model_dir)
+    model, _, st = load_checkpoint(Path(run) / stage)
     mode = "ar" if not st.get("block_size") else "diffusion"
-    _, rows, texts, roll = evaluate(model, tok, test, sid_of, mode, st.get("block_size") or 1, 1.0, st["max_new"], 64, True)
-    path = Path(run) / "report" / f"{stage}_predictions.jsonl"
-    write_predictions(path, test, sid_of, texts, rows, roll.nfe)
-    return read_jsonl(path)
+    print(f"decoding {len(examples)} test examples with {stage} at tau = {tau} ...")
+    _, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, st.get("block_size") or 1, tau, st["max_new"], 64, True)
+    write_predictions(fresh, examples, sid_of, texts, rows, roll)
+    return read_jsonl(fresh)
 
 
-def table1(run, test, sid_of, tok):
-    """The stage ladder at tau = 1.0 with bootstrap intervals and paired differences to the row above."""
+def ladder(entries, examples, sid_of, tok):
+    """Rows of a stage ladder: metrics with 95% bootstrap intervals, the reasoning proxy, and paired
+    differences to the row above (the naive row is skipped as a reference: it is the floor by fallback).
+
+    entries: (stage, name, predictions or None for the floor) in ladder order."""
     rows, prev = [], None
-    floor = floor_rows(test)
-    entries = [("floor", "retriever floor", floor)]
-    for stage, name in STAGES:
-        if (Path(run) / stage / "stage.json").exists():
-            preds = stage_predictions(run, stage, Path(run) / stage, test, sid_of, tok)
-            per = [{"validity": judge(p["response"], p["candidates"])[1],
-                    **rank_metrics(judge(p["response"], p["candidates"])[0], p["target"])} for p in preds]
-            entries.append((stage, name, per, preds))
-    for stage, name, per, *rest in entries:
+    for stage, name, preds in entries:
+        per = floor_rows(examples) if preds is None else score_responses([p["response"] for p in preds], examples, sid_of)
         s = summarize(per)
         row = {"name": name, "stage": stage, **{k: s[k] for k in (*METRIC_KEYS, "valid_rate", "invalid", "n")}}
         for k in ("recall@1", "recall@3", "ndcg@3"):
             row[k + "_ci"] = bootstrap_ci([r[k] for r in per])
         row["valid_rate_ci"] = bootstrap_ci([r["validity"] == "valid" for r in per])
-        if rest:
-            preds = rest[0]
-            row["reasoning_grounded"] = reasoning_quality(preds, test, sid_of)
+        if preds is not None:
+            row["reasoning_grounded"] = reasoning_quality(preds, examples, sid_of)
             row["reasoning_tokens"] = float(np.mean([len(tok(p["response"].split("</think>")[0] + "</think>",
                                                              add_special_tokens=False).input_ids) for p in preds]))
+            if all("nfe" in p and "n_tokens" in p for p in preds):
+                row["tokens_per_forward"] = sum(p["n_tokens"] for p in preds) / max(1, sum(p["nfe"] for p in preds))
         if prev is not None and stage != "naive":
             for k in ("recall@1", "ndcg@3"):
                 row[f"delta_{k}_vs_prev"] = paired_bootstrap([r[k] for r in prev], [r[k] for r in per])
@@ -287,6 +289,25 @@ def table1(run, test, sid_of, tok):
             prev = per
         row["paper"] = dict(zip(("recall@1", "recall@3", "ndcg@3"), PAPER.get(name, (None,) * 3)))
         rows.append(row)
+    return rows
+
+
+def table1(run, test, sid_of, tok):
+    """The stage ladder at tau = 1.0 (AR greedy for the AR re-ranker)."""
+    entries = [("floor", "retriever floor", None)]
+    entries += [(stage, name, stage_predictions(run, stage, test, sid_of, tok))
+                for stage, name in STAGES if (Path(run) / stage / "stage.json").exists()]
+    return ladder(entries, test, sid_of, tok)
+
+
+def table1b(run, examples, sid_of, tok, tau=0.9):
+    """The diffusion stages at a parallel threshold, paired on the same examples: does each stage keep its gains?"""
+    entries = [("floor", "retriever floor", None)]
+    entries += [(stage, name, stage_predictions(run, stage, examples, sid_of, tok, tau))
+                for stage, name in STAGES if stage in ("cft", "opd", "rl") and (Path(run) / stage / "stage.json").exists()]
+    rows = ladder(entries, examples, sid_of, tok)
+    for r in rows:
+        r["paper"] = {}
     return rows
 
 
@@ -379,7 +400,7 @@ def fmt_ci(row, k):
     return f"{row[k]:.4f} [{lo:.3f}, {hi:.3f}]"
 
 
-def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 0.4)):
+def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 0.4), tau_n=200):
     """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and plots."""
     import json
     import data
@@ -391,6 +412,7 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
     test, sid_of = data.load_split(data_dir, "test")
     tok = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
     t1 = table1(run, test, sid_of, tok)
+    t1b = table1b(run, test[:tau_n] if tau_n else test, sid_of, tok, 0.9)
     final = next((s for s in ("rl", "opd", "cft") if (run / s / "stage.json").exists()), None)
     t2, ratio = [], None
     if final and (run / "sft" / "stage.json").exists():
@@ -403,7 +425,7 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
     plot_curves(run, run / "curves.png")
     plot_masks(run / "masks.png")
     stats = json.loads((Path(data_dir) / "stats.json").read_text())
-    result = {"data": str(data_dir), "n_test": len(test), "table1": t1, "table2": t2, "forward_cost_ratio": ratio,
+    result = {"data": str(data_dir), "n_test": len(test), "table1": t1, "table1b_tau0.9": t1b, "table2": t2, "forward_cost_ratio": ratio,
               "final_diffusion": final, "data_stats": stats}
     (run / "results.json").write_text(json.dumps(result, indent=2))
     lines = [f"# Diffusion-GR2 results: {data_dir} (test n = {len(test)})", "",
@@ -420,6 +442,17 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
     if deltas:
         lines += ["", "Paired differences to the row above (mean [95% interval]):", ""]
         for r in deltas:
+            d, e = r["delta_recall@1_vs_prev"], r["delta_ndcg@3_vs_prev"]
+            lines.append(f"- {r['name']}: Recall@1 {d[0]:+.4f} [{d[1]:+.3f}, {d[2]:+.3f}], NDCG@3 {e[0]:+.4f} [{e[1]:+.3f}, {e[2]:+.3f}]")
+    if len(t1b) > 1:
+        lines += ["", f"## Table 1b: the diffusion stages at tau = 0.9 (first {t1b[0]['n']} test examples), paired", "",
+                  "| method | Recall@1 | Recall@3 | NDCG@3 | valid rate | tokens per forward |", "|---|---|---|---|---|---|"]
+        for r in t1b:
+            tpf = f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else ""
+            lines.append(f"| {r['name']} | {fmt_ci(r, 'recall@1')} | {fmt_ci(r, 'recall@3')} | {fmt_ci(r, 'ndcg@3')} | "
+                         f"{r['valid_rate']:.3f} | {tpf} |")
+        lines += ["", "Paired differences to the row above at tau = 0.9:", ""]
+        for r in t1b[2:]:
             d, e = r["delta_recall@1_vs_prev"], r["delta_ndcg@3_vs_prev"]
             lines.append(f"- {r['name']}: Recall@1 {d[0]:+.4f} [{d[1]:+.3f}, {d[2]:+.3f}], NDCG@3 {e[0]:+.4f} [{e[1]:+.3f}, {e[2]:+.3f}]")
     if t2:
@@ -445,12 +478,13 @@ def main(argv=None):
     ap.add_argument("--data", default="data/synthetic", help="folder written by data.py")
     ap.add_argument("--bench-n", type=int, default=64, help="test prompts for the speed table")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="decoding batch sizes for the speed table")
+    ap.add_argument("--tau-n", type=int, default=200, help="test examples for the tau = 0.9 ladder (0 = all)")
     ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
     args = ap.parse_args(argv)
     if args.masks_figure:
         plot_masks(args.masks_figure)
     elif args.report:
-        report(args.run, args.data, args.bench_n, tuple(args.batch_sizes))
+        report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tau_n=args.tau_n)
     else:
         ap.error("choose --report or --masks-figure")
 

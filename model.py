@@ -143,7 +143,7 @@ def resume(out, model, optimizer):
 
 def add_common_args(ap, **defaults):
     """The flags every training stage shares (each stage sets its own defaults)."""
-    d = dict(steps=1000, batch_size=32, lr=1e-3, warmup=50, eval_every=100, val_n=200) | defaults
+    d = dict(steps=1000, batch_size=32, lr=1e-3, warmup=50, eval_every=100, val_n=200, tau_n=200) | defaults
     ap.add_argument("--data", default="data/synthetic", help="folder written by data.py")
     ap.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps" + (" (0 = from --epochs)" if not d["steps"] else ""))
     if d["batch_size"]:  # OPD and RL count prompts per step instead
@@ -155,7 +155,8 @@ def add_common_args(ap, **defaults):
     ap.add_argument("--eval-every", type=int, default=d["eval_every"], help="validate and checkpoint every this many steps")
     ap.add_argument("--val-n", type=int, default=d["val_n"], help="validation examples decoded at each evaluation")
     ap.add_argument("--test-n", type=int, default=0, help="test examples for the final metrics (0 = all)")
-    ap.add_argument("--tau-n", type=int, default=0, help="test examples for the extra thresholds 0.9/0.6/0.4 (0 = all)")
+    ap.add_argument("--tau-n", type=int, default=d["tau_n"],
+                    help="test examples for the extra thresholds 0.9/0.6/0.4 (0 = all; a subset keeps CPU runs short)")
     ap.add_argument("--eval-batch", type=int, default=64, help="decoding batch size")
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help="parameter dtype (bfloat16 on a GPU)")

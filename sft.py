@@ -11,12 +11,11 @@ layout every later stage reads with --init / --teacher), and ends with the test 
 retriever floor (OUT/metrics.json, OUT/predictions.jsonl). Interrupted? Run the same command again:
 it resumes from OUT/last.
 
-    python sft.py --data data/synthetic --out out/sft                       # CPU, tiny model (~15 min)
+    python sft.py --data data/synthetic --out out/sft                       # CPU, tiny model (~25 min)
     python sft.py --data data/synthetic-qwen3 --out out/sft-qwen --model Qwen/Qwen3-0.6B \\
         --dtype bfloat16 --device cuda --batch-size 16 --lr 2e-5 --steps 2000          # one GPU
 """
 import argparse
-import json
 import time
 from pathlib import Path
 
