@@ -350,7 +350,7 @@ def show(model, tok, example, block, tau, max_new):
 
     def on_step(b, s, canvas, commit, logits):
         lo = b * block
-        shown = [("·" if t == tok.mask_token_id else (new(w) if commit[0, lo + j] else w))
+        shown = [("·" if t == tok.mask_token_id else (new(w) if commit[0, j] else w))
                  for j, (t, w) in enumerate(zip(canvas[0, lo:].tolist(), words(canvas[0, lo:].tolist())))]
         print(f"block {b} step {s:2d} +{int(commit[0].sum())}: " + " ".join(shown))
         per_block[b] = s + 1

@@ -277,6 +277,8 @@ def ladder(entries, examples, sid_of, tok):
             row[k + "_ci"] = bootstrap_ci([r[k] for r in per])
         row["valid_rate_ci"] = bootstrap_ci([r["validity"] == "valid" for r in per])
         if preds is not None:
+            # answers that copy the retriever order: the reward-hacking signal RL must not raise
+            row["identity_rate"] = float(np.mean([p["validity"] == "valid" and p["parsed"] == p["candidates"] for p in preds]))
             row["reasoning_grounded"] = reasoning_quality(preds, examples, sid_of)
             row["reasoning_tokens"] = float(np.mean([len(tok(p["response"].split("</think>")[0] + "</think>",
                                                              add_special_tokens=False).input_ids) for p in preds]))
@@ -430,14 +432,18 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
     (run / "results.json").write_text(json.dumps(result, indent=2))
     lines = [f"# Diffusion-GR2 results: {data_dir} (test n = {len(test)})", "",
              "## Table 1: the stage ladder (tau = 1.0; AR greedy), 95% bootstrap intervals", "",
-             "| method | Recall@1 | Recall@3 | NDCG@3 | valid rate | grounded ids | reasoning tokens | paper R@1 / R@3 / NDCG@3 |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| method | Recall@1 | Recall@3 | NDCG@3 | valid rate | copies retriever | grounded ids | reasoning tokens "
+             "| paper R@1 / R@3 / NDCG@3 |", "|---|---|---|---|---|---|---|---|---|"]
     for r in t1:
         p = r["paper"]
         paper = " / ".join(f"{p[k]:.4f}" for k in ("recall@1", "recall@3", "ndcg@3")) if p["recall@1"] else ""
-        extra = (f"{r['reasoning_grounded']:.3f} | {r['reasoning_tokens']:.0f}" if "reasoning_tokens" in r else " | ")
+        extra = (f"{r['identity_rate']:.3f} | {r['reasoning_grounded']:.3f} | {r['reasoning_tokens']:.0f}"
+                 if "reasoning_tokens" in r else " | | ")
         lines.append(f"| {r['name']} | {fmt_ci(r, 'recall@1')} | {fmt_ci(r, 'recall@3')} | {fmt_ci(r, 'ndcg@3')} | "
                      f"{r['valid_rate']:.3f} | {extra} | {paper} |")
+    lines += ["", "An invalid answer is scored as the retriever order. *copies retriever*: share of answers equal to the "
+              "retriever order; *grounded ids*: share of the SIDs cited in the reasoning that are in the history or the "
+              "candidates (a proxy for the paper's judge study); *reasoning tokens*: mean length up to `</think>`."]
     deltas = [r for r in t1 if "delta_recall@1_vs_prev" in r]
     if deltas:
         lines += ["", "Paired differences to the row above (mean [95% interval]):", ""]

@@ -81,3 +81,23 @@ def test_replay_logits_equal_the_decoders_logits_at_commit_time(attn):
         ref = seen[key]
         ok = torch.isfinite(ref)
         assert (row[ok] - ref[ok]).abs().max() <= 1e-4
+
+
+class WordTok:  # what the viewer needs of a tokenizer
+    mask_token_id, eos_token_id, pad_token_id = MASK, EOS, PAD
+
+    def convert_ids_to_tokens(self, i):
+        return f"t{i}"
+
+    def decode(self, ids):
+        return " ".join(f"t{i}" for i in ids)
+
+
+def test_viewer_highlights_exactly_the_tokens_committed_at_each_step(capsys):
+    from decode import show
+    show(tiny(sharpen=30.0), WordTok(), {"prompt_ids": random_prompts(1)[0]}, block=4, tau=0.7, max_new=16)
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("block ")]
+    assert {line.split()[1] for line in steps} >= {"0", "1"}  # it got past the first block
+    for line in steps:
+        head, shown = line.split(": ", 1)
+        assert sum(w.startswith("*") for w in shown.split()) == int(head.split("+")[1])
