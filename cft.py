@@ -30,8 +30,8 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import validate
-from model import (DTYPES, Log, add_common_args, diffusion_loss, init_mask_embedding, load_checkpoint, lr_at,
-                   resume, save_checkpoint, save_progress, setup)
+from model import (DTYPES, Log, add_common_args, diffusion_loss, init_mask_embedding, keep_best, load_best,
+                   load_checkpoint, lr_at, resume, save_checkpoint, setup)
 
 TAUS = (0.9, 0.6, 0.4)  # the paper's speed settings, reported next to tau = 1.0
 
@@ -67,9 +67,7 @@ def convert(init, attn, dtype):  # [diffusion]
 def main(argv=None):
     args = parse_args(argv)
     out = setup(args)
-    train, sid = data.load_split(args.data, "train")
-    valid, _ = data.load_split(args.data, "valid", args.val_n)
-    test, _ = data.load_split(args.data, "test", args.test_n)
+    train, valid, test, sid = data.load_splits(args.data, args.val_n, args.test_n)
     model, tok, parent = convert(args.init, args.attn, DTYPES[args.dtype])
     model.to(args.device)
     max_new = max(parent["max_new"], args.block * math.ceil(parent["max_new"] / args.block))
@@ -113,14 +111,9 @@ def main(argv=None):
                        f"{val['val_valid_rate_0.9']:.3f} R@1 {val['val_recall1_0.9']:.3f} "
                        f"tok/fwd {val['val_tokens_per_forward_0.9']:.2f}")
             score = val["val_valid_rate"] + val["val_valid_rate_0.9"] + val["val_recall1"]
-            if score > best:
-                best = score
-                save_checkpoint(out, model, tok, {**stage, "step": step + 1, "val": val})
-            save_progress(out, model, tok, stage, opt, step + 1, {"best": best, "elapsed": time.time() - t0})
+            best = keep_best(out, model, tok, stage, opt, step + 1, val, score, best, t0)
 
-    model, tok, stage = load_checkpoint(out, args.attn, DTYPES[args.dtype])
-    model.to(args.device)
-    print(f"CFT took {(time.time() - t0) / 60:.1f} min; testing the best checkpoint (step {stage['step']}) ...")
+    model, tok, stage = load_best(out, args, "CFT", t0)
     return metrics.run_test(out, model, tok, test, sid, "diffusion", args.block, max_new, args.eval_batch, TAUS, args.tau_n)
 
 

@@ -336,7 +336,6 @@ class CoocRetriever:
     def top_k(self, histories, k=10, own_seqs=None, chunk=2048):
         """The top-k items (retriever order) for each history."""
         out = []
-        pop_order = torch.argsort(self.count, descending=True, stable=True)
         for s in range(0, len(histories), chunk):
             S = self.scores(histories[s:s + chunk], own_seqs[s:s + chunk] if own_seqs else None)
             S = S + 1e-9 * self.count / self.count.max()  # popularity backfill and tie-break
@@ -577,6 +576,12 @@ def load_split(data_dir, split, n=0):
     sid = [json.loads(line)["sid"] for line in open(path / "items.jsonl")]
     ds = load_from_disk(str(path / "dataset"))[split]
     return list(ds.select(range(min(n, len(ds)))) if n else ds), sid
+
+
+def load_splits(data_dir, val_n=0, test_n=0):
+    """What every stage reads: train, the first val_n valid and test_n test examples (0 = all), and the SIDs."""
+    train, sid = load_split(data_dir, "train")
+    return train, load_split(data_dir, "valid", val_n)[0], load_split(data_dir, "test", test_n)[0], sid
 
 
 def batch_indices(step, n, batch_size, seed):

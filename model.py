@@ -141,6 +141,23 @@ def resume(out, model, optimizer):
     return state.pop("step"), state
 
 
+def keep_best(out, model, tok, stage, opt, step, val, score, best, t0, **extra):
+    """After an evaluation: the model becomes OUT's checkpoint when `score` beats `best`, and OUT/last is
+    always refreshed (so an interruption loses at most eval_every steps). Returns the best score so far."""
+    if score > best:
+        best = score
+        save_checkpoint(out, model, tok, {**stage, "step": step, "val": val})
+    save_progress(out, model, tok, stage, opt, step, {"best": best, "elapsed": time.time() - t0, **extra})
+    return best
+
+
+def load_best(out, args, name, t0):
+    """The best checkpoint of a finished stage, on args.device, for its final test."""
+    model, tok, stage = load_checkpoint(out, args.attn, DTYPES[args.dtype])
+    print(f"{name} took {(time.time() - t0) / 60:.1f} min; testing the best checkpoint (step {stage['step']}) ...")
+    return model.to(args.device), tok, stage
+
+
 def add_common_args(ap, **defaults):
     """The flags every training stage shares (each stage sets its own defaults)."""
     d = dict(steps=1000, batch_size=32, lr=1e-3, warmup=50, eval_every=100, val_n=200, tau_n=200) | defaults
@@ -224,7 +241,7 @@ def build_rows(prompts, responses, block, noisy=None, pad_id=0):
     prompts, responses, noisy: lists of token-id lists (noisy[i] has len(responses[i])). Returns a dict
     of (B, L) tensors ids/seg/blk/pos and per row the column where each segment starts.
     """
-    rows, descs, starts = [], [], []
+    rows, starts = [], []
     for i, (p, r) in enumerate(zip(prompts, responses)):
         P, R = len(p), len(r)
         rblk = [j // block for j in range(R)]

@@ -29,8 +29,8 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import generate, replay_logits, validate
-from model import (DTYPES, Log, add_common_args, ar_logits, load_checkpoint, lr_at, resume, save_checkpoint,
-                   save_progress, setup, token_kl)
+from model import (DTYPES, Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
+                   setup, token_kl)
 
 TAUS = (0.9, 0.6, 0.4)
 
@@ -91,9 +91,7 @@ def test_kl(student, teacher, tok, examples, block, max_new, batch):
 def main(argv=None):
     args = parse_args(argv)
     out = setup(args)
-    train, sid = data.load_split(args.data, "train")
-    valid, _ = data.load_split(args.data, "valid", args.val_n)
-    test, _ = data.load_split(args.data, "test", args.test_n)
+    train, valid, test, sid = data.load_splits(args.data, args.val_n, args.test_n)
     student, tok, parent = load_checkpoint(args.init, args.attn, DTYPES[args.dtype])
     teacher, t_tok, _ = load_checkpoint(args.teacher, args.attn, DTYPES[args.dtype])
     check_vocab(student, tok, teacher, t_tok)
@@ -144,16 +142,10 @@ def main(argv=None):
                        f"{val['val_valid_rate']:.3f} R@1 {val['val_recall1']:.3f} | tau=0.9 valid "
                        f"{val['val_valid_rate_0.9']:.3f} R@1 {val['val_recall1_0.9']:.3f}")
             score = val["val_valid_rate"] + val["val_valid_rate_0.9"] + val["val_recall1"] + val["val_recall1_0.9"]
-            if score > best:
-                best = score
-                save_checkpoint(out, student, tok, {**stage, "step": step + 1, "val": val})
-            save_progress(out, student, tok, stage, opt, step + 1,
-                          {"best": best, "elapsed": time.time() - t0, "kl_init": state["kl_init"]})
+            best = keep_best(out, student, tok, stage, opt, step + 1, val, score, best, t0, kl_init=state["kl_init"])
         log(**rec)
 
-    student, tok, stage = load_checkpoint(out, args.attn, DTYPES[args.dtype])
-    student.to(args.device)
-    print(f"OPD took {(time.time() - t0) / 60:.1f} min; testing the best checkpoint (step {stage['step']}) ...")
+    student, tok, stage = load_best(out, args, "OPD", t0)
     result = metrics.run_test(out, student, tok, test, sid, "diffusion", block, max_new, args.eval_batch, TAUS, args.tau_n)
     teacher_preds = metrics.read_jsonl(f"{args.teacher}/predictions.jsonl")
     result["kl_to_teacher"] = {"init": state["kl_init"],

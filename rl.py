@@ -15,7 +15,7 @@ committed from: the decoder's step map, replayed by decode.replay_logits (the sa
 `--policy ar` trains the AR re-ranker the same way with exact causal log-probabilities, as GR2 did.
 Watch the identity rate (answers that copy the retriever order): the reward-hacking signal.
 
-    python rl.py --data data/synthetic --init out/opd --out out/rl                 # CPU (~10 min)
+    python rl.py --data data/synthetic --init out/opd --out out/rl                 # CPU (~20 min)
     python rl.py --data data/synthetic --init out/sft --out out/rl-ar --policy ar  # GR2's AR RL
     python rl.py --data data/synthetic-qwen3 --init out/opd-qwen --out out/rl-qwen \\
         --dtype bfloat16 --device cuda --prompts-per-step 16 --lr 5e-7 --steps 600   # one GPU
@@ -29,8 +29,8 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import generate, replay_logits, validate
-from model import (DTYPES, Log, add_common_args, ar_logits, load_checkpoint, lr_at, resume, save_checkpoint,
-                   save_progress, setup)
+from model import (DTYPES, Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
+                   setup)
 
 TAUS = (0.9, 0.6, 0.4)
 
@@ -86,9 +86,7 @@ def clipped_loss(logp, logp_old, adv, eps):
 def main(argv=None):
     args = parse_args(argv)
     out = setup(args)
-    train, sid = data.load_split(args.data, "train")
-    valid, _ = data.load_split(args.data, "valid", args.val_n)
-    test, _ = data.load_split(args.data, "test", args.test_n)
+    train, valid, test, sid = data.load_splits(args.data, args.val_n, args.test_n)
     model, tok, parent = load_checkpoint(args.init, args.attn, DTYPES[args.dtype])
     model.to(args.device)
     block, max_new = parent.get("block_size") or 1, parent["max_new"]
@@ -160,15 +158,10 @@ def main(argv=None):
             rec.update(minutes=(time.time() - t0) / 60, **held_out())
             tqdm.write(f"step {step + 1:4d} | {rec['minutes']:5.1f} min | held-out reward {rec['val_reward']:.4f} | "
                        f"valid {rec['val_valid_rate']:.3f} R@1 {rec['val_recall1']:.3f} | identity {rec['identity_rate']:.2f}")
-            if rec["val_reward"] > best:
-                best = rec["val_reward"]
-                save_checkpoint(out, model, tok, {**stage, "step": step + 1, "val": {k: v for k, v in rec.items()}})
-            save_progress(out, model, tok, stage, opt, step + 1, {"best": best, "elapsed": time.time() - t0})
+            best = keep_best(out, model, tok, stage, opt, step + 1, dict(rec), rec["val_reward"], best, t0)
         log(**rec)
 
-    model, tok, stage = load_checkpoint(out, args.attn, DTYPES[args.dtype])
-    model.to(args.device)
-    print(f"RL took {(time.time() - t0) / 60:.1f} min; testing the best checkpoint (step {stage['step']}) ...")
+    model, tok, stage = load_best(out, args, "RL", t0)
     return metrics.run_test(out, model, tok, test, sid, mode, block, max_new, args.eval_batch,
                            TAUS if mode == "diffusion" else (), args.tau_n)
 

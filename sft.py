@@ -25,8 +25,7 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import validate
-from model import (DTYPES, Log, add_common_args, ar_loss, create_model, load_checkpoint, lr_at, resume,
-                   save_checkpoint, save_progress, setup)
+from model import DTYPES, Log, add_common_args, ar_loss, create_model, keep_best, load_best, lr_at, resume, setup
 
 
 def parse_args(argv=None):
@@ -42,9 +41,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     out = setup(args)
-    train, sid = data.load_split(args.data, "train")
-    valid, _ = data.load_split(args.data, "valid", args.val_n)
-    test, _ = data.load_split(args.data, "test", args.test_n)
+    train, valid, test, sid = data.load_splits(args.data, args.val_n, args.test_n)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(Path(args.data) / "tokenizer")
     max_new = args.max_new or data.max_new_tokens(train)
@@ -80,14 +77,9 @@ def main(argv=None):
             losses = []
             tqdm.write(f"step {rec['step']:5d} | {rec['minutes']:5.1f} min | loss {rec['loss']:.4f} | "
                        f"val valid {rec['val_valid_rate']:.3f} R@1 {rec['val_recall1']:.3f}")
-            if score > best:
-                best = score
-                save_checkpoint(out, model, tok, {**stage, "step": step + 1, "val": val})
-            save_progress(out, model, tok, stage, opt, step + 1, {"best": best, "elapsed": time.time() - t0})
+            best = keep_best(out, model, tok, stage, opt, step + 1, val, score, best, t0)
 
-    model, tok, stage = load_checkpoint(out, args.attn, DTYPES[args.dtype])
-    model.to(args.device)
-    print(f"training took {(time.time() - t0) / 60:.1f} min; testing the best checkpoint (step {stage['step']}) ...")
+    model, tok, stage = load_best(out, args, "SFT", t0)
     return metrics.run_test(out, model, tok, test, sid, "ar", max_new=max_new, batch_size=args.eval_batch)
 
 

@@ -47,7 +47,7 @@ def test_mask_is_bidirectional_inside_a_block_and_causal_across():
     rows = build_rows([[1, 2]], [[3, 4, 5, 6, 7]], block=2, noisy=[[MASK] * 5])
     desc = (rows["seg"], rows["blk"], rows["pos"])
     m = attention_mask(desc, desc)[0, 0]
-    P, N, C = 2, 2, 7  # segment starts: prompt, noisy, clean
+    N, C = 2, 7  # segment starts: noisy, clean (the prompt is columns 0-1)
     assert m[1, 0] and not m[0, 1]                        # prompt is causal
     assert m[N + 0, N + 1] and m[N + 1, N + 0]            # noisy block 0 is bidirectional
     assert not m[N + 0, N + 2]                            # ... and cannot see noisy block 1

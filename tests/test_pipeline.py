@@ -11,6 +11,7 @@ import torch
 import cft
 import data
 import eval as metrics
+import model as model_lib
 import opd
 import rl
 import sft
@@ -88,17 +89,17 @@ def test_interrupted_training_resumes_to_the_same_weights(word_run, tmp_path, mo
     args = ["--data", str(d), "--val-n", "2", "--eval-batch", "4", "--model", "micro", "--batch-size", "4",
             "--max-new", "8", "--eval-every", "1", "--steps", "3", "--test-n", "2"]
     sft.main(args + ["--out", str(tmp_path / "straight")])
-    save = sft.save_progress
+    save = model_lib.save_progress  # what keep_best calls after every evaluation
 
     def crash_after_step_two(out, model, tok, stage, opt, step, state):
         save(out, model, tok, stage, opt, step, state)
         if step == 2:
             raise KeyboardInterrupt  # the power goes out right after the step-2 checkpoint
 
-    monkeypatch.setattr(sft, "save_progress", crash_after_step_two)
+    monkeypatch.setattr(model_lib, "save_progress", crash_after_step_two)
     with pytest.raises(KeyboardInterrupt):
         sft.main(args + ["--out", str(tmp_path / "resumed")])
-    monkeypatch.setattr(sft, "save_progress", save)
+    monkeypatch.setattr(model_lib, "save_progress", save)
     sft.main(args + ["--out", str(tmp_path / "resumed")])  # the same command again
     a, _, _ = load_checkpoint(tmp_path / "straight" / "last")
     b, _, _ = load_checkpoint(tmp_path / "resumed" / "last")
