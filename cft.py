@@ -18,7 +18,7 @@ real block-diffusion decoder at tau = 1.0 and tau = 0.9.
     python cft.py --data data/synthetic --init out/sft --out out/naive --epochs 0    # the naive row
     python cft.py --data data/synthetic --init out/sft --out out/cft                  # CPU (~40 min)
     python cft.py --data data/synthetic-qwen3 --init out/sft-qwen --out out/cft-qwen \\
-        --dtype bfloat16 --device cuda --batch-size 16 --lr 1e-5                      # one GPU
+        --dtype bf16-mixed --device cuda --batch-size 16 --lr 1e-5                      # one GPU
 """
 import argparse
 import math
@@ -30,7 +30,7 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import validate
-from model import (DTYPES, Log, add_common_args, diffusion_loss, init_mask_embedding, keep_best, load_best,
+from model import (Log, add_common_args, diffusion_loss, init_mask_embedding, keep_best, load_best,
                    load_checkpoint, lr_at, resume, save_checkpoint, setup)
 
 TAUS = (0.9, 0.6, 0.4)  # the paper's speed settings, reported next to tau = 1.0
@@ -68,7 +68,7 @@ def main(argv=None):
     args = parse_args(argv)
     out = setup(args)
     train, valid, test, sid = data.load_splits(args.data, args.val_n, args.test_n)
-    model, tok, parent = convert(args.init, args.attn, DTYPES[args.dtype])
+    model, tok, parent = convert(args.init, args.attn, args.dtype)
     model.to(args.device)
     max_new = max(parent["max_new"], args.block * math.ceil(parent["max_new"] / args.block))
     stage = {"stage": "cft" if args.epochs else "naive", "parent": str(args.init), "block_size": args.block,

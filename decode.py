@@ -34,8 +34,8 @@ import torch
 from transformers import DynamicCache
 
 import eval as metrics
-from model import (CLEAN, PAD, PROMPT, attention_mask, build_rows, for_attention, gather_logits, hidden_states,
-                   load_checkpoint, target_sources)
+from model import (CLEAN, PAD, PROMPT, attention_mask, build_rows, compute, for_attention, gather_logits,
+                   hidden_states, load_checkpoint, target_sources)
 
 
 @dataclass
@@ -75,13 +75,15 @@ class CachedModel:
         """Logits (B, n, V) at the n positions of `ids`; keep=False crops the cache back afterwards."""
         keys = tuple(torch.cat([a, b], 1) for a, b in zip(self.keys, desc))
         mask = attention_mask(desc, keys)
-        out = self.model.model(input_ids=ids, attention_mask=for_attention(mask, self.model), position_ids=desc[2],
-                               cache=self.cache, use_cache=True)
+        with compute(self.model):
+            out = self.model.model(input_ids=ids, attention_mask=for_attention(mask, self.model), position_ids=desc[2],
+                                   cache=self.cache, use_cache=True)
+            logits = self.model.lm_head(out.last_hidden_state).float()
         if keep:
             self.keys = keys
         else:
             self.cache.crop(-ids.shape[1])  # [diffusion] a denoising step only reads the cache
-        return self.model.lm_head(out.last_hidden_state).float()
+        return logits
 
     def response_desc(self, start, n, block):
         """Descriptors of response positions start..start+n-1 (clean, block-causal)."""
@@ -94,9 +96,10 @@ class CachedModel:
         ids = torch.cat([self.prompt_ids, response], 1)
         desc = tuple(torch.cat([a, b], 1) for a, b in zip(self.prompt_desc, self.response_desc(0, response.shape[1], block)))
         mask = for_attention(attention_mask(desc, desc), self.model)
-        h = self.model.model(input_ids=ids, attention_mask=mask, position_ids=desc[2]).last_hidden_state
         P = self.prompt_ids.shape[1]
-        return self.model.lm_head(h[:, P - 1:-1]).float()
+        with compute(self.model):
+            h = self.model.model(input_ids=ids, attention_mask=mask, position_ids=desc[2]).last_hidden_state
+            return self.model.lm_head(h[:, P - 1:-1]).float()
 
 
 def pick(logits, temperature, generator):

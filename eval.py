@@ -244,7 +244,7 @@ def reasoning_quality(preds, examples, sid_of):
     return real / cited if cited else float("nan")
 
 
-def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0):
+def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu"):
     """The stage's own predictions at `tau` when they cover `examples`, else a fresh decode (kept in run/report)."""
     name = "predictions.jsonl" if tau == 1.0 else f"predictions_tau{tau}.jsonl"
     fresh = Path(run) / "report" / f"{stage}_{name}"
@@ -256,6 +256,7 @@ def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0):
     from decode import evaluate
     from model import load_checkpoint
     model, _, st = load_checkpoint(Path(run) / stage)
+    model.to(device)
     mode = "ar" if not st.get("block_size") else "diffusion"
     print(f"decoding {len(examples)} test examples with {stage} at tau = {tau} ...")
     _, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, st.get("block_size") or 1, tau, st["max_new"], 64, True)
@@ -294,18 +295,18 @@ def ladder(entries, examples, sid_of, tok):
     return rows
 
 
-def table1(run, test, sid_of, tok):
+def table1(run, test, sid_of, tok, device="cpu"):
     """The stage ladder at tau = 1.0 (AR greedy for the AR re-ranker)."""
     entries = [("floor", "retriever floor", None)]
-    entries += [(stage, name, stage_predictions(run, stage, test, sid_of, tok))
+    entries += [(stage, name, stage_predictions(run, stage, test, sid_of, tok, 1.0, device))
                 for stage, name in STAGES if (Path(run) / stage / "stage.json").exists()]
     return ladder(entries, test, sid_of, tok)
 
 
-def table1b(run, examples, sid_of, tok, tau=0.9):
+def table1b(run, examples, sid_of, tok, tau=0.9, device="cpu"):
     """The diffusion stages at a parallel threshold, paired on the same examples: does each stage keep its gains?"""
     entries = [("floor", "retriever floor", None)]
-    entries += [(stage, name, stage_predictions(run, stage, examples, sid_of, tok, tau))
+    entries += [(stage, name, stage_predictions(run, stage, examples, sid_of, tok, tau, device))
                 for stage, name in STAGES if stage in ("cft", "opd", "rl") and (Path(run) / stage / "stage.json").exists()]
     rows = ladder(entries, examples, sid_of, tok)
     for r in rows:
@@ -402,7 +403,7 @@ def fmt_ci(row, k):
     return f"{row[k]:.4f} [{lo:.3f}, {hi:.3f}]"
 
 
-def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 0.4), tau_n=200):
+def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 0.4), tau_n=200, device="cpu"):
     """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and plots."""
     import json
     import data
@@ -413,13 +414,14 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
     (run / "report").mkdir(parents=True, exist_ok=True)
     test, sid_of = data.load_split(data_dir, "test")
     tok = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
-    t1 = table1(run, test, sid_of, tok)
-    t1b = table1b(run, test[:tau_n] if tau_n else test, sid_of, tok, 0.9)
+    t1 = table1(run, test, sid_of, tok, device)
+    t1b = table1b(run, test[:tau_n] if tau_n else test, sid_of, tok, 0.9, device)
     final = next((s for s in ("rl", "opd", "cft") if (run / s / "stage.json").exists()), None)
     t2, ratio = [], None
     if final and (run / "sft" / "stage.json").exists():
         ar, _, _ = load_checkpoint(run / "sft")
         diff, _, st = load_checkpoint(run / final)
+        ar, diff = ar.to(device), diff.to(device)
         ratio = forward_cost_ratio(diff.eval(), test[0]["prompt_ids"], st["block_size"])
         print(f"speed: {final} against the AR re-ranker on {bench_n} test prompts (block forward costs {ratio:.2f}x a 1-token step)")
         t2 = bench(ar.eval(), diff.eval(), tok, test[:bench_n], sid_of, taus, batch_sizes, [st["block_size"]], st["max_new"])
@@ -485,12 +487,13 @@ def main(argv=None):
     ap.add_argument("--bench-n", type=int, default=64, help="test prompts for the speed table")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="decoding batch sizes for the speed table")
     ap.add_argument("--tau-n", type=int, default=200, help="test examples for the tau = 0.9 ladder (0 = all)")
+    ap.add_argument("--device", default="cpu", help="torch device for the decoding the report does")
     ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
     args = ap.parse_args(argv)
     if args.masks_figure:
         plot_masks(args.masks_figure)
     elif args.report:
-        report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tau_n=args.tau_n)
+        report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tau_n=args.tau_n, device=args.device)
     else:
         ap.error("choose --report or --masks-figure")
 

@@ -43,7 +43,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 PAD, PROMPT, CLEAN, NOISY = 0, 1, 2, 3
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Weight dtypes by name. "bf16-mixed" keeps float32 weights (and AdamW state) and runs every forward under
+# bfloat16 autocast: the GPU choice for training, since pure bfloat16 weights round away any update smaller
+# than about 1/256 of the weight (at lr 1e-6 most of them).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16-mixed": torch.float32}
 # Random-init presets for CPU work. 'tiny' is the default: sized so the whole synthetic pipeline trains on
 # 2 CPU cores (1.2M parameters with the synthetic vocabulary); 'micro' only runs the mechanics in tests.
 PRESETS = {"tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
@@ -53,7 +56,17 @@ PRESETS = {"tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layer
 
 
 # ----------------------------------------------------------------------------- models and checkpoints
-def create_model(spec, tok, attn="sdpa", dtype=torch.float32, seed=0):
+def compute(model):
+    """The context every forward runs in: bfloat16 autocast for a model loaded as "bf16-mixed", else nothing."""
+    return torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=getattr(model, "bf16_mixed", False))
+
+
+def with_dtype(model, dtype):
+    model.bf16_mixed = dtype == "bf16-mixed"  # read by compute()
+    return model
+
+
+def create_model(spec, tok, attn="sdpa", dtype="float32", seed=0):
     """An AR Qwen3 for `tok`: a preset name (random init from PRESETS), a hub id or a local folder.
 
     The embedding gets a row for every token of `tok` (SIDs and the mask token included), so the
@@ -65,12 +78,12 @@ def create_model(spec, tok, attn="sdpa", dtype=torch.float32, seed=0):
         cfg = Qwen3Config(vocab_size=vocab, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                           bos_token_id=None, max_position_embeddings=4096, rope_theta=10000.0,
                           tie_word_embeddings=True, rms_norm_eps=1e-6, **PRESETS[spec])
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=DTYPES[dtype])
     else:
-        model = AutoModelForCausalLM.from_pretrained(spec, attn_implementation=attn, dtype=dtype, use_safetensors=True)
+        model = AutoModelForCausalLM.from_pretrained(spec, attn_implementation=attn, dtype=DTYPES[dtype], use_safetensors=True)
         if len(tok) > model.config.vocab_size:
             model.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
-    return model
+    return with_dtype(model, dtype)
 
 
 def init_mask_embedding(model, mask_id, n_real):  # [diffusion]
@@ -103,14 +116,14 @@ def save_checkpoint(path, model, tok, stage, extra=None):
     tmp.rmdir()
 
 
-def load_checkpoint(path, attn="sdpa", dtype=torch.float32):
+def load_checkpoint(path, attn="sdpa", dtype="float32"):
     """(model, tokenizer, stage dict) from a folder written by save_checkpoint; never unpickles code."""
     path = Path(path)
     if not (path / "stage.json").exists():
         raise FileNotFoundError(f"{path}: not a checkpoint of this project (no stage.json)")
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=dtype, use_safetensors=True)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=DTYPES[dtype], use_safetensors=True)
     tok = AutoTokenizer.from_pretrained(path)
-    return model, tok, json.loads((path / "stage.json").read_text())
+    return with_dtype(model, dtype), tok, json.loads((path / "stage.json").read_text())
 
 
 def load_trainer_state(path):
@@ -153,7 +166,7 @@ def keep_best(out, model, tok, stage, opt, step, val, score, best, t0, **extra):
 
 def load_best(out, args, name, t0):
     """The best checkpoint of a finished stage, on args.device, for its final test."""
-    model, tok, stage = load_checkpoint(out, args.attn, DTYPES[args.dtype])
+    model, tok, stage = load_checkpoint(out, args.attn, args.dtype)
     print(f"{name} took {(time.time() - t0) / 60:.1f} min; testing the best checkpoint (step {stage['step']}) ...")
     return model.to(args.device), tok, stage
 
@@ -176,7 +189,8 @@ def add_common_args(ap, **defaults):
                     help="test examples for the extra thresholds 0.9/0.6/0.4 (0 = all; a subset keeps CPU runs short)")
     ap.add_argument("--eval-batch", type=int, default=64, help="decoding batch size")
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
-    ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help="parameter dtype (bfloat16 on a GPU)")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                    help="float32; bf16-mixed (float32 weights, bfloat16 compute: GPU training); bfloat16 (pure)")
     ap.add_argument("--device", default="cpu", help="torch device")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     ap.add_argument("--seed", type=int, default=0, help="seed for the init, the batch order and the noise")
@@ -288,13 +302,16 @@ def hidden_states(model, rows):
     """
     desc = tuple(rows[k].to(model.device) for k in ("seg", "blk", "pos"))
     mask = attention_mask(desc, desc)
-    out = model.model(input_ids=rows["ids"].to(model.device), attention_mask=for_attention(mask, model), position_ids=desc[2])
+    with compute(model):
+        out = model.model(input_ids=rows["ids"].to(model.device), attention_mask=for_attention(mask, model),
+                          position_ids=desc[2])
     return out.last_hidden_state
 
 
 def gather_logits(model, hidden, cols):
     """Logits (N, V) at hidden[b, col] for index tensors (b, col): the LM head only where it is needed."""
-    return model.lm_head(hidden[cols[0].to(hidden.device), cols[1].to(hidden.device)]).float()
+    with compute(model):
+        return model.lm_head(hidden[cols[0].to(hidden.device), cols[1].to(hidden.device)]).float()
 
 
 def token_weights(lengths, n_reasoning, lam_r, lam_o):

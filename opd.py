@@ -17,7 +17,7 @@ everything before it clean and the rest of its block masked, instead of the repl
 
     python opd.py --data data/synthetic --init out/cft --teacher out/sft --out out/opd      # CPU (~25 min)
     python opd.py --data data/synthetic-qwen3 --init out/cft-qwen --teacher out/sft-qwen --out out/opd-qwen \\
-        --dtype bfloat16 --device cuda --prompts-per-step 32 --lr 1e-6 --steps 1500      # one GPU
+        --dtype bf16-mixed --device cuda --prompts-per-step 32 --lr 1e-6 --steps 1500      # one GPU
 """
 import argparse
 import json
@@ -29,7 +29,7 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import generate, replay_logits, validate
-from model import (DTYPES, Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
+from model import (Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
                    setup, token_kl)
 
 TAUS = (0.9, 0.6, 0.4)
@@ -92,8 +92,8 @@ def main(argv=None):
     args = parse_args(argv)
     out = setup(args)
     train, valid, test, sid = data.load_splits(args.data, args.val_n, args.test_n)
-    student, tok, parent = load_checkpoint(args.init, args.attn, DTYPES[args.dtype])
-    teacher, t_tok, _ = load_checkpoint(args.teacher, args.attn, DTYPES[args.dtype])
+    student, tok, parent = load_checkpoint(args.init, args.attn, args.dtype)
+    teacher, t_tok, _ = load_checkpoint(args.teacher, args.attn, args.dtype)
     check_vocab(student, tok, teacher, t_tok)
     student.to(args.device), teacher.to(args.device).eval().requires_grad_(False)
     block, max_new = parent["block_size"], parent["max_new"]

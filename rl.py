@@ -18,7 +18,7 @@ Watch the identity rate (answers that copy the retriever order): the reward-hack
     python rl.py --data data/synthetic --init out/opd --out out/rl                 # CPU (~20 min)
     python rl.py --data data/synthetic --init out/sft --out out/rl-ar --policy ar  # GR2's AR RL
     python rl.py --data data/synthetic-qwen3 --init out/opd-qwen --out out/rl-qwen \\
-        --dtype bfloat16 --device cuda --prompts-per-step 16 --lr 5e-7 --steps 600   # one GPU
+        --dtype bf16-mixed --device cuda --prompts-per-step 16 --lr 5e-7 --steps 600   # one GPU
 """
 import argparse
 import time
@@ -29,7 +29,7 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import generate, replay_logits, validate
-from model import (DTYPES, Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
+from model import (Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
                    setup)
 
 TAUS = (0.9, 0.6, 0.4)
@@ -87,7 +87,7 @@ def main(argv=None):
     args = parse_args(argv)
     out = setup(args)
     train, valid, test, sid = data.load_splits(args.data, args.val_n, args.test_n)
-    model, tok, parent = load_checkpoint(args.init, args.attn, DTYPES[args.dtype])
+    model, tok, parent = load_checkpoint(args.init, args.attn, args.dtype)
     model.to(args.device)
     block, max_new = parent.get("block_size") or 1, parent["max_new"]
     if (args.policy == "ar") != (parent.get("block_size") is None):

@@ -13,7 +13,7 @@ it resumes from OUT/last.
 
     python sft.py --data data/synthetic --out out/sft                       # CPU, tiny model (~25 min)
     python sft.py --data data/synthetic-qwen3 --out out/sft-qwen --model Qwen/Qwen3-0.6B \\
-        --dtype bfloat16 --device cuda --batch-size 16 --lr 2e-5 --steps 2000          # one GPU
+        --dtype bf16-mixed --device cuda --batch-size 16 --lr 2e-5 --steps 2000          # one GPU
 """
 import argparse
 import time
@@ -25,7 +25,7 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import validate
-from model import DTYPES, Log, add_common_args, ar_loss, create_model, keep_best, load_best, lr_at, resume, setup
+from model import Log, add_common_args, ar_loss, create_model, keep_best, load_best, lr_at, resume, setup
 
 
 def parse_args(argv=None):
@@ -45,7 +45,7 @@ def main(argv=None):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(Path(args.data) / "tokenizer")
     max_new = args.max_new or data.max_new_tokens(train)
-    model = create_model(args.model, tok, args.attn, DTYPES[args.dtype], args.seed).to(args.device)
+    model = create_model(args.model, tok, args.attn, args.dtype, args.seed).to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {args.model}, {n_params / 1e6:.2f}M parameters, vocab {model.config.vocab_size}; "
           f"{len(train)} training examples, decode budget {max_new} tokens")

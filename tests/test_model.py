@@ -136,3 +136,17 @@ def test_save_load_round_trips_logits(tmp_path):
     assert not list((tmp_path / "ck").glob("*.bin")) and list((tmp_path / "ck").glob("*.safetensors"))
     ids = torch.tensor([random_prompts(1)[0]])
     assert torch.equal(model(input_ids=ids).logits, again(input_ids=ids).logits)
+
+
+def test_bf16_mixed_keeps_float32_weights_and_computes_in_bfloat16():
+    from model import ar_logits, with_dtype
+    model = tiny()
+    prompts, responses = random_prompts(2), random_prompts(2, 6, 9, seed=3)
+    exact = ar_logits(model, prompts, responses, PAD)
+    mixed = with_dtype(model, "bf16-mixed")
+    seen = []
+    hook = mixed.model.layers[0].mlp.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    approx = ar_logits(mixed, prompts, responses, PAD)
+    hook.remove()
+    assert seen == [torch.bfloat16] and all(p.dtype == torch.float32 for p in mixed.parameters())
+    assert approx.dtype == torch.float32 and 0 < (approx - exact).abs().max() < 0.1  # bf16 rounding, nothing worse
