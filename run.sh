@@ -36,9 +36,9 @@ fi
 [ -n "$RAW" ] && DATA_ARGS="$DATA_ARGS --raw $RAW"
 if [ "$SOURCE" = beauty ] && [ "$QUICK" = 0 ]; then
   # Amazon Beauty cut to fit a 2-core CPU (about 90 minutes): its vocabulary is 10x the synthetic one and its
-  # traces longer, so a step costs ~3.5x more. A seeded 500-example test subset; every stage much shorter
+  # traces longer, so a step costs ~2x more. A seeded 500-example test subset; every stage much shorter
   # than the synthetic default (under-trained: see the README). With a GPU, give each stage more steps.
-  DATA_ARGS="$DATA_ARGS --max-eval 500"; SFT="--steps 500 --eval-every 125"; CFT="--steps 300 --eval-every 100"
+  DATA_ARGS="$DATA_ARGS --max-eval 500"; SFT="--steps 800 --eval-every 200"; CFT="--steps 400 --eval-every 100"
   OPD="--steps 20 --eval-every 10"; RL="--steps 15 --eval-every 5"
 fi
 
