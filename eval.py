@@ -435,7 +435,7 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
     lines = [f"# Diffusion-GR2 results: {data_dir} (test n = {len(test)})", "",
              "## Table 1: the stage ladder (tau = 1.0; AR greedy), 95% bootstrap intervals", "",
              "| method | Recall@1 | Recall@3 | NDCG@3 | valid rate | copies retriever | grounded ids | reasoning tokens "
-             "| paper R@1 / R@3 / NDCG@3 |", "|---|---|---|---|---|---|---|---|---|"]
+             "| paper (Beauty, Qwen3-8B) R@1 / R@3 / NDCG@3 |", "|---|---|---|---|---|---|---|---|---|"]
     for r in t1:
         p = r["paper"]
         paper = " / ".join(f"{p[k]:.4f}" for k in ("recall@1", "recall@3", "ndcg@3")) if p["recall@1"] else ""
