@@ -48,7 +48,7 @@ PAD, PROMPT, CLEAN, NOISY = 0, 1, 2, 3
 # than about 1/256 of the weight (at lr 1e-6 most of them).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16-mixed": torch.float32}
 # Random-init presets for CPU work. 'tiny' is the default: sized so the whole synthetic pipeline trains on
-# 2 CPU cores (1.2M parameters with the synthetic vocabulary); 'micro' only runs the mechanics in tests.
+# 2 CPU cores (1.3M parameters with the synthetic vocabulary); 'micro' only runs the mechanics in tests.
 PRESETS = {"tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=32),
            "micro": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
