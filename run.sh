@@ -38,7 +38,7 @@ if [ "$SOURCE" = beauty ] && [ "$QUICK" = 0 ]; then
   # Amazon Beauty cut to fit a 2-core CPU (about 90 minutes): its vocabulary is 10x the synthetic one and its
   # traces longer, so a step costs ~2x more. A seeded 500-example test subset; every stage much shorter
   # than the synthetic default (under-trained: see the README). With a GPU, give each stage more steps.
-  DATA_ARGS="$DATA_ARGS --max-eval 500"; SFT="--steps 1300 --eval-every 250"; CFT="--steps 300 --eval-every 100 --tau-n 100"
+  DATA_ARGS="$DATA_ARGS --max-eval 500"; SFT="--steps 1300 --eval-every 250"; CFT="--steps 200 --eval-every 100 --val-n 50 --tau-n 100"
   OPD="--steps 20 --eval-every 10"; RL="--steps 15 --eval-every 5"
 fi
 
