@@ -3,7 +3,7 @@
 #
 #   bash run.sh                                    # synthetic default on a CPU (under 2 hours on 2 cores)
 #   bash run.sh --quick                            # every stage for a few steps: the mechanics only (minutes)
-#   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # ~90 min, cut short
+#   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # ~100 min, cut short
 #
 # A finished stage (its metrics.json exists) is skipped; an interrupted one resumes from its OUT/<stage>/last.
 # Every stage is also a script of its own: see the commands this prints.
@@ -35,7 +35,7 @@ else
 fi
 [ -n "$RAW" ] && DATA_ARGS="$DATA_ARGS --raw $RAW"
 if [ "$SOURCE" = beauty ] && [ "$QUICK" = 0 ]; then
-  # Amazon Beauty cut to fit a 2-core CPU (about 90 minutes): its vocabulary is 10x the synthetic one and its
+  # Amazon Beauty cut to fit a 2-core CPU (about 100 minutes): its vocabulary is 10x the synthetic one and its
   # traces longer, so a step costs ~2x more. A seeded 500-example test subset; every stage much shorter
   # than the synthetic default (under-trained: see the README). With a GPU, give each stage more steps.
   DATA_ARGS="$DATA_ARGS --max-eval 500"; SFT="--steps 1300 --eval-every 250"; CFT="--steps 200 --eval-every 100 --val-n 50 --tau-n 100"
