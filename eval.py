@@ -459,7 +459,8 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
             tpf = f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else ""
             lines.append(f"| {r['name']} | {fmt_ci(r, 'recall@1')} | {fmt_ci(r, 'recall@3')} | {fmt_ci(r, 'ndcg@3')} | "
                          f"{r['valid_rate']:.3f} | {tpf} |")
-        lines += ["", "Paired differences to the row above at tau = 0.9:", ""]
+        if len(t1b) > 2:
+            lines += ["", "Paired differences to the row above at tau = 0.9:", ""]
         for r in t1b[2:]:
             d, e = r["delta_recall@1_vs_prev"], r["delta_ndcg@3_vs_prev"]
             lines.append(f"- {r['name']}: Recall@1 {d[0]:+.4f} [{d[1]:+.3f}, {d[2]:+.3f}], NDCG@3 {e[0]:+.4f} [{e[1]:+.3f}, {e[2]:+.3f}]")
