@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole Diffusion-GR2 recipe in one command: data -> AR re-ranker -> naive conversion -> CFT -> OPD -> RL -> report.
 #
-#   bash run.sh                                    # synthetic default on a CPU (under 2 hours on 2 cores)
+#   bash run.sh                                    # synthetic default on a CPU (about 2 hours on 2 cores)
 #   bash run.sh --quick                            # every stage for a few steps: the mechanics only (minutes)
 #   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # ~100 min, cut short
 #
