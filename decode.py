@@ -216,12 +216,14 @@ def replay_rows(prompt, canvas, steps, block, mask_id):  # [diffusion]
     return noisy, targets
 
 
-def replay_logits(model, prompts, canvases, steps, block, mask_id, keep, pad_id=0, max_rows=64):  # [diffusion]
-    """Logits (N, V) of every kept token from the canvas it was committed from, in trajectory order.
+def replay_chunks(model, prompts, canvases, steps, block, mask_id, keep, pad_id=0, max_rows=64):  # [diffusion]
+    """Logits of every kept token from the canvas it was committed from, max_rows canvases at a time.
 
     keep[i] is the number of leading response positions of trajectory i to score (its length up to
-    the end token). Returns the logits and the (trajectory, position) of each of their rows. Rows go
-    through the model max_rows at a time (the attention scores of a masked forward are materialised).
+    the end token). Yields (logits (n, V), the (trajectory, position) of each logits row) per chunk of
+    at most max_rows replayed canvases: a caller that trains calls backward on each chunk's loss as
+    it comes, so only max_rows canvases' activations are alive at once, however many steps the
+    trajectories took (an untrained student commits one token per step and needs one row for each).
     """
     all_p, all_resp, all_noisy, where = [], [], [], []
     for i, (p, c, st) in enumerate(zip(prompts, canvases, steps)):
@@ -230,15 +232,19 @@ def replay_logits(model, prompts, canvases, steps, block, mask_id, keep, pad_id=
             tg = [r for r in tg if r < keep[i]]
             if tg:
                 all_p.append(p); all_resp.append(c); all_noisy.append(row); where.append((i, tg))
-    logits = []
     for s in range(0, len(where), max_rows):
         rows = build_rows(all_p[s:s + max_rows], all_resp[s:s + max_rows], block, noisy=all_noisy[s:s + max_rows], pad_id=pad_id)
         src, _ = target_sources(rows, [len(c) for c in all_resp[s:s + max_rows]], block)
         b = torch.tensor([k for k, (_, tg) in enumerate(where[s:s + max_rows]) for _ in tg])
         r = torch.tensor([x for _, tg in where[s:s + max_rows] for x in tg])
-        logits.append(gather_logits(model, hidden_states(model, rows), (b, src[b, r])))
-    order = [(i, x) for i, tg in where for x in tg]
-    return torch.cat(logits), order
+        order = [(i, x) for i, tg in where[s:s + max_rows] for x in tg]
+        yield gather_logits(model, hidden_states(model, rows), (b, src[b, r])), order
+
+
+def replay_logits(model, prompts, canvases, steps, block, mask_id, keep, pad_id=0, max_rows=64):  # [diffusion]
+    """All of replay_chunks at once: logits (N, V) of every kept token and their (trajectory, position)."""
+    parts = list(replay_chunks(model, prompts, canvases, steps, block, mask_id, keep, pad_id, max_rows))
+    return torch.cat([logits for logits, _ in parts]), [o for _, order in parts for o in order]
 
 
 # ----------------------------------------------------------------------------- decode and score a split

@@ -9,7 +9,7 @@ sft.py says, at every generated position, what it would have predicted there:
 
 The teacher needs one causal forward over prompt + completion (no gradient, once per trajectory).
 canvas_i is the state token i was committed from, rebuilt from the decoder's step map by
-decode.replay_logits -- the same function rl.py uses. Token shift lines the two up position for
+decode.replay_chunks -- the same function rl.py uses. Token shift lines the two up position for
 position: both logits for token i sit at position i-1. Divergences are computed in float32 from
 log-probabilities. `--reverse` uses KL(student || teacher); `--clean-prefix` scores each token with
 everything before it clean and the rest of its block masked, instead of the replayed canvas
@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import data
 import eval as metrics
-from decode import generate, replay_logits, validate
+from decode import generate, replay_chunks, validate
 from model import (Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
                    setup, token_kl)
 
@@ -47,7 +47,8 @@ def parse_args(argv=None):
     ap.add_argument("--reverse", action="store_true", help="KL(student || teacher) instead of KL(teacher || student)")
     ap.add_argument("--clean-prefix", action="store_true",
                     help="score each token from a clean prefix instead of its replayed canvas (assumption: replay)")
-    ap.add_argument("--chunk", type=int, default=8, help="trajectories per backward pass (memory, not maths)")
+    ap.add_argument("--chunk", type=int, default=8, help="trajectories per teacher forward (memory, not maths)")
+    ap.add_argument("--rows", type=int, default=64, help="replayed canvases per backward pass (memory, not maths)")
     ap.add_argument("--kl-n", type=int, default=100, help="test prompts for the KL-to-teacher figure")
     add_common_args(ap, steps=80, batch_size=0, lr=1e-4, warmup=5, eval_every=40, val_n=200)
     return ap.parse_args(argv)
@@ -60,8 +61,10 @@ def check_vocab(student, s_tok, teacher, t_tok):
                          f"{teacher.config.vocab_size} rows, or different tokenizers)")
 
 
-def opd_loss(student, teacher, prompts, roll, block, mask_id, pad_id, reverse=False, clean_prefix=False):
-    """Summed per-trajectory mean KL over generated tokens (divide by the number of trajectories)."""
+def opd_losses(student, teacher, prompts, roll, block, mask_id, pad_id, reverse=False, clean_prefix=False, max_rows=64):
+    """The loss in parts, one per chunk of replayed canvases: each token's KL divided by its trajectory's
+    length. The parts sum to the sum over trajectories of the mean KL per generated token (divide by
+    the number of trajectories); a caller that trains backwards each part as it comes (memory)."""
     keep = [len(t) for t in roll.tokens]
     with torch.no_grad():  # the teacher: one causal forward per trajectory, full next-token distributions
         logp_t = torch.log_softmax(ar_logits(teacher, prompts, roll.tokens, pad_id), -1)
@@ -69,11 +72,15 @@ def opd_loss(student, teacher, prompts, roll, block, mask_id, pad_id, reverse=Fa
     steps = roll.steps
     if clean_prefix:  # replaying a left-to-right step map gives exactly the clean-prefix canvases
         steps = [[r % block if s >= 0 else -1 for r, s in enumerate(st)] for st in steps]
-    logits, order = replay_logits(student, prompts, roll.canvas, steps, block, mask_id, keep, pad_id)
-    kl = token_kl(logp_t[[offset[i] + r for i, r in order]], logits, reverse)
-    traj = torch.tensor([i for i, _ in order], device=kl.device)
-    per_traj = torch.zeros(len(keep), device=kl.device).index_add(0, traj, kl) / torch.tensor(keep, device=kl.device)
-    return per_traj.sum()
+    for logits, order in replay_chunks(student, prompts, roll.canvas, steps, block, mask_id, keep, pad_id, max_rows):
+        kl = token_kl(logp_t[[offset[i] + r for i, r in order]], logits, reverse)
+        length = torch.tensor([keep[i] for i, _ in order], device=kl.device, dtype=kl.dtype)
+        yield (kl / length).sum()
+
+
+def opd_loss(*args, **kwargs):
+    """Summed per-trajectory mean KL over generated tokens (divide by the number of trajectories)."""
+    return sum(opd_losses(*args, **kwargs))
 
 
 @torch.no_grad()
@@ -121,12 +128,12 @@ def main(argv=None):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         kl_sum = 0.0
-        for c in range(0, len(prompts), args.chunk):  # gradient accumulation over trajectory chunks
+        for c in range(0, len(prompts), args.chunk):  # the teacher's distributions, chunk trajectories at a time
             part = roll.select(range(c, min(c + args.chunk, len(prompts))))
-            loss = opd_loss(student, teacher, prompts[c:c + args.chunk], part, block, tok.mask_token_id,
-                            tok.pad_token_id, args.reverse, args.clean_prefix) / len(prompts)
-            loss.backward()
-            kl_sum += loss.item()
+            for loss in opd_losses(student, teacher, prompts[c:c + args.chunk], part, block, tok.mask_token_id,
+                                   tok.pad_token_id, args.reverse, args.clean_prefix, args.rows):
+                (loss / len(prompts)).backward()  # gradient accumulation: one chunk of replayed canvases at a time
+                kl_sum += loss.item() / len(prompts)
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -11,7 +11,7 @@ dropped. The loss is PPO's clipped ratio with token-level normalisation and no K
     L = - sum_{kept rollouts g, tokens i} min(rho_i A_g, clip(rho_i, 1 - eps, 1 + eps) A_g) / (number of tokens)
 
 A diffusion policy has no left-to-right factorisation, so log pi(y_i) is read at the canvas token i was
-committed from: the decoder's step map, replayed by decode.replay_logits (the same function as OPD).
+committed from: the decoder's step map, replayed by decode.replay_chunks (the same function as OPD).
 `--policy ar` trains the AR re-ranker the same way with exact causal log-probabilities, as GR2 did.
 Watch the identity rate (answers that copy the retriever order): the reward-hacking signal.
 
@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import data
 import eval as metrics
-from decode import generate, replay_logits, validate
+from decode import generate, replay_chunks, validate
 from model import (Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
                    setup)
 
@@ -46,24 +46,24 @@ def parse_args(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--clip", type=float, default=0.2, help="epsilon of the clipped ratio")
     ap.add_argument("--updates", type=int, default=1, help="optimizer steps per batch of rollouts (mu)")
-    ap.add_argument("--chunk", type=int, default=8, help="rollouts per backward pass (memory, not maths)")
+    ap.add_argument("--chunk", type=int, default=8, help="rollouts scored together (memory, not maths)")
+    ap.add_argument("--rows", type=int, default=64, help="replayed canvases per backward pass (memory, not maths)")
     add_common_args(ap, steps=60, batch_size=0, lr=5e-5, warmup=5, eval_every=20, val_n=200)
     return ap.parse_args(argv)
 
 
-def rollout_logprobs(model, policy, prompts, roll, block, mask_id, pad_id, temperature):
-    """log pi(y_i) of every kept token (up to and including the end token) and its rollout index."""
+def rollout_logprobs(model, policy, prompts, roll, block, mask_id, pad_id, temperature, max_rows=64):
+    """Yield (log pi(y_i) of kept tokens, their rollout index) in parts: every kept token (up to and
+    including the end token) exactly once. A caller that trains backwards each part as it comes."""
     keep = [len(t) for t in roll.tokens]
     if policy == "ar":
-        logits = ar_logits(model, prompts, roll.tokens, pad_id)
-        owner = [i for i, k in enumerate(keep) for _ in range(k)]
-        chosen = [t for toks in roll.tokens for t in toks]
-    else:  # [diffusion] each token from the canvas it was committed from
-        logits, order = replay_logits(model, prompts, roll.canvas, roll.steps, block, mask_id, keep, pad_id)
-        owner = [i for i, _ in order]
-        chosen = [roll.tokens[i][r] for i, r in order]
-    logp = torch.log_softmax(logits / max(temperature, 1e-6), -1)
-    return logp.gather(1, torch.tensor(chosen, device=logp.device)[:, None])[:, 0], torch.tensor(owner)
+        parts = [(ar_logits(model, prompts, roll.tokens, pad_id), [(i, r) for i, k in enumerate(keep) for r in range(k)])]
+    else:  # [diffusion] each token from the canvas it was committed from, max_rows canvases at a time
+        parts = replay_chunks(model, prompts, roll.canvas, roll.steps, block, mask_id, keep, pad_id, max_rows)
+    for logits, order in parts:
+        logp = torch.log_softmax(logits / max(temperature, 1e-6), -1)
+        chosen = torch.tensor([roll.tokens[i][r] for i, r in order], device=logp.device)
+        yield logp.gather(1, chosen[:, None])[:, 0], torch.tensor([i for i, _ in order])
 
 
 def group_advantages(rewards, group):
@@ -141,14 +141,15 @@ def main(argv=None):
             clipped = 0
             for update in range(args.updates):
                 for c, idx in enumerate(chunks):
-                    logp, owner = rollout_logprobs(model, args.policy, [prompts[i] for i in idx], roll.select(idx), block,
-                                                   tok.mask_token_id, tok.pad_token_id, args.temperature)
-                    if update == 0:
-                        old[c] = logp.detach()  # pi_old: the policy that made the rollouts
-                    a = torch.tensor([adv[idx[o]] for o in owner.tolist()], device=logp.device)
-                    loss, n_clip = clipped_loss(logp, old[c], a, args.clip)
-                    (loss / n_tokens).backward()
-                    clipped += n_clip
+                    parts = rollout_logprobs(model, args.policy, [prompts[i] for i in idx], roll.select(idx), block,
+                                             tok.mask_token_id, tok.pad_token_id, args.temperature, args.rows)
+                    for k, (logp, owner) in enumerate(parts):
+                        if update == 0:
+                            old[c, k] = logp.detach()  # pi_old: the policy that made the rollouts
+                        a = torch.tensor([adv[idx[o]] for o in owner.tolist()], device=logp.device)
+                        loss, n_clip = clipped_loss(logp, old[c, k], a, args.clip)
+                        (loss / n_tokens).backward()  # token-level normalisation over the whole batch
+                        clipped += n_clip
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 opt.zero_grad(set_to_none=True)

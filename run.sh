@@ -28,8 +28,10 @@ DATA="data/$SOURCE"
 if [ "$QUICK" = 1 ]; then
   DATA="data/$SOURCE-quick"; OUT="${OUT:-out-quick}"
   DATA_ARGS="--max-eval 32"; [ "$SOURCE" = synthetic ] && DATA_ARGS="$DATA_ARGS --users 1500"
-  SFT="--steps 40 --eval-every 20 --val-n 16"; CFT="--epochs 0.1 --eval-every 20 --val-n 16 --tau-n 16"
-  OPD="--steps 4 --eval-every 4 --val-n 16 --kl-n 16 --tau-n 16 --chunk 2"; RL="--steps 4 --eval-every 4 --val-n 16 --tau-n 16 --chunk 2"; REPORT="--bench-n 8"
+  # Models this brief never learn to stop, so every decode runs to its budget: --max-new 64 (inherited by every
+  # later stage) keeps the decoding short. No answer fits in 64 tokens: every row is invalid, as the mechanics demo it is.
+  SFT="--steps 40 --eval-every 20 --val-n 16 --max-new 64"; CFT="--epochs 0.1 --eval-every 20 --val-n 16 --tau-n 16"
+  OPD="--steps 4 --eval-every 4 --val-n 16 --kl-n 16 --tau-n 16"; RL="--steps 4 --eval-every 4 --val-n 16 --tau-n 16"; REPORT="--bench-n 8"
 else
   OUT="${OUT:-out}"; DATA_ARGS=""; SFT=""; CFT=""; OPD=""; RL=""; REPORT=""
 fi

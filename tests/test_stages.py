@@ -4,7 +4,7 @@ import torch
 from conftest import EOS, MASK, PAD, random_prompts, tiny
 from decode import diffusion_generate
 from model import diffusion_loss, token_kl
-from opd import opd_loss
+from opd import opd_loss, opd_losses
 from rl import clipped_loss, group_advantages, rollout_logprobs
 
 
@@ -53,6 +53,29 @@ def test_opd_loss_is_positive_against_another_teacher():
     assert opd_loss(student, teacher, prompts, roll, 4, MASK, PAD).item() > 0.01
 
 
+def test_opd_gradient_does_not_depend_on_how_many_canvases_go_through_at_once():
+    """--rows bounds memory, not maths: one canvas per backward gives the gradient of all at once."""
+    student, teacher = tiny(sharpen=4.0), tiny(seed=1, sharpen=4.0)
+    prompts = random_prompts(3)
+    roll = diffusion_generate(student, prompts, 4, 0.9, 12, MASK, EOS, PAD, temperature=1.0,
+                              generator=torch.Generator().manual_seed(3))
+    grads, totals = [], []
+    for max_rows in (64, 1):
+        student.zero_grad()
+        parts = list(opd_losses(student, teacher, prompts, roll, 4, MASK, PAD, max_rows=max_rows))
+        for part in parts:
+            part.backward()
+        totals.append(sum(p.item() for p in parts))
+        grads.append(torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None]))
+    assert len(parts) > 1 and abs(totals[0] - totals[1]) < 1e-5
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def all_logprobs(model, policy, prompts, roll, block, max_rows=64):
+    parts = list(rollout_logprobs(model, policy, prompts, roll, block, MASK, PAD, 1.0, max_rows))
+    return torch.cat([lp for lp, _ in parts]), torch.cat([o for _, o in parts])
+
+
 def test_zero_variance_groups_are_dropped():
     adv = group_advantages([1.0, 1.0, 1.0, 0.5, -1.0, 0.2], group=3)
     assert adv[:3] == [None, None, None]
@@ -64,12 +87,14 @@ def test_unchanged_policy_has_ratio_exactly_one():
     prompts = random_prompts(2)
     roll = diffusion_generate(model, prompts, 4, 0.8, 12, MASK, EOS, PAD, temperature=1.0,
                               generator=torch.Generator().manual_seed(1))
-    logp, owner = rollout_logprobs(model, "diffusion", prompts, roll, 4, MASK, PAD, 1.0)
-    again, _ = rollout_logprobs(model, "diffusion", prompts, roll, 4, MASK, PAD, 1.0)
+    logp, owner = all_logprobs(model, "diffusion", prompts, roll, 4)
+    again, _ = all_logprobs(model, "diffusion", prompts, roll, 4)
     assert torch.equal(torch.exp(again - logp.detach()), torch.ones_like(logp))
     loss, clipped = clipped_loss(again, logp.detach(), torch.ones_like(logp), 0.2)
     assert clipped == 0 and torch.allclose(loss, -torch.ones_like(logp).sum())
     assert len(owner) == sum(len(t) for t in roll.tokens)
+    one_row, _ = all_logprobs(model, "diffusion", prompts, roll, 4, max_rows=1)  # same tokens, same order
+    assert torch.allclose(one_row, logp, atol=1e-5)
 
 
 def test_ar_policy_log_probs_are_the_causal_ones():
@@ -77,7 +102,7 @@ def test_ar_policy_log_probs_are_the_causal_ones():
     model = tiny(sharpen=4.0)
     prompts = random_prompts(2)
     roll = ar_generate(model, prompts, 8, EOS, PAD, temperature=1.0, generator=torch.Generator().manual_seed(2))
-    logp, _ = rollout_logprobs(model, "ar", prompts, roll, 1, MASK, PAD, 1.0)
+    logp, _ = all_logprobs(model, "ar", prompts, roll, 1)
     p, r = prompts[0], roll.tokens[0]
     ref = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1], -1)
     assert torch.allclose(logp[:len(r)], ref.gather(1, torch.tensor(r)[:, None])[:, 0], atol=1e-5)
