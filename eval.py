@@ -70,6 +70,35 @@ def judge(text, candidates):
     return (parsed if kind == "valid" else list(candidates)), kind, parsed
 
 
+INVALID_CAUSES = ("no ranking", "tie repeated", "sid mixed", "answer mis-copied", "order")
+RANKING_LINE_RE = re.compile(r"(\d+)\s+c(\d+)\s+" + SID_RE.pattern)  # `score cK <a_><b_><c_><d_>` (data.teacher_trace)
+
+
+def invalid_cause(text, candidates):
+    """Where the trace of an invalid answer went wrong (a diagnostic of parallel decoding):
+
+    no ranking         the reasoning has no `ranking :` section
+    tie repeated       a ranking line names a candidate again, one that shares its score with another
+    sid mixed          every candidate is named once, but some line's SID is not its candidate's
+    answer mis-copied  the ranking lines are right; the answer list is not their copy
+    order              anything else (a line lost, a wrong score, a candidate repeated across scores)
+    """
+    reasoning = text.split("</think>")[0]
+    if "ranking :" not in reasoning:
+        return "no ranking"
+    evidence, ranking = reasoning.split("ranking :", 1)
+    score = dict(re.findall(r"\bc(\d+)\b[^;=]*=\s*(\d+)", evidence))  # candidate number -> stated score
+    lines = RANKING_LINE_RE.findall(ranking)                             # (score, k, a, b, c, d)
+    named = [k for _, k, *_ in lines]
+    if sorted(named, key=int) == [str(k + 1) for k in range(len(candidates))]:
+        right = all(sid_str(*sid) == candidates[int(k) - 1] for _, k, *sid in lines)
+        return "answer mis-copied" if right else "sid mixed"
+    repeated = [k for k in set(named) if named.count(k) > 1]
+    if repeated and all(list(score.values()).count(score.get(k)) > 1 for k in repeated):
+        return "tie repeated"
+    return "order"
+
+
 def rank_metrics(ranking, target):
     """Recall@1/3/5 and NDCG@3/5 of one ranking with a single relevant item."""
     r = ranking.index(target) + 1 if target in ranking else math.inf
@@ -281,6 +310,8 @@ def ladder(entries, examples, sid_of, tok):
             # answers that copy the retriever order: the reward-hacking signal RL must not raise
             row["identity_rate"] = float(np.mean([p["validity"] == "valid" and p["parsed"] == p["candidates"] for p in preds]))
             row["reasoning_grounded"] = reasoning_quality(preds, examples, sid_of)
+            causes = [invalid_cause(p["response"], p["candidates"]) for p in preds if p["validity"] != "valid"]
+            row["invalid_causes"] = {c: causes.count(c) for c in INVALID_CAUSES if c in causes}
             row["reasoning_tokens"] = float(np.mean([len(tok(p["response"].split("</think>")[0] + "</think>",
                                                              add_special_tokens=False).input_ids) for p in preds]))
             if all("nfe" in p and "n_tokens" in p for p in preds):
@@ -403,6 +434,15 @@ def fmt_ci(row, k):
     return f"{row[k]:.4f} [{lo:.3f}, {hi:.3f}]"
 
 
+def invalid_lines(rows):
+    """results.md lines: the invalid answers of each row by cause (eval.invalid_cause)."""
+    rows = [r for r in rows if r.get("invalid_causes")]
+    if not rows:
+        return []
+    return ["", "Invalid answers by where the trace went wrong (`eval.invalid_cause`):", ""] + [
+        f"- {r['name']}: " + ", ".join(f"{c} {n}" for c, n in r["invalid_causes"].items()) for r in rows]
+
+
 def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 0.4), tau_n=200, device="cpu"):
     """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and plots."""
     import json
@@ -452,6 +492,7 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
         for r in deltas:
             d, e = r["delta_recall@1_vs_prev"], r["delta_ndcg@3_vs_prev"]
             lines.append(f"- {r['name']}: Recall@1 {d[0]:+.4f} [{d[1]:+.3f}, {d[2]:+.3f}], NDCG@3 {e[0]:+.4f} [{e[1]:+.3f}, {e[2]:+.3f}]")
+    lines += invalid_lines(t1)
     if len(t1b) > 1:
         lines += ["", f"## Table 1b: the diffusion stages at tau = 0.9 (first {t1b[0]['n']} test examples), paired", "",
                   "| method | Recall@1 | Recall@3 | NDCG@3 | valid rate | tokens per forward |", "|---|---|---|---|---|---|"]
@@ -464,6 +505,7 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
         for r in t1b[2:]:
             d, e = r["delta_recall@1_vs_prev"], r["delta_ndcg@3_vs_prev"]
             lines.append(f"- {r['name']}: Recall@1 {d[0]:+.4f} [{d[1]:+.3f}, {d[2]:+.3f}], NDCG@3 {e[0]:+.4f} [{e[1]:+.3f}, {e[2]:+.3f}]")
+        lines += invalid_lines(t1b)
     if t2:
         lines += ["", f"## Table 2: decoding speed, AR against `{final}` (first {bench_n} test prompts, this machine)", "",
                   f"One block forward costs {ratio:.2f}x a 1-token AR step here (batch 1).", "",

@@ -2,7 +2,7 @@
 # The whole Diffusion-GR2 recipe in one command: data -> AR re-ranker -> naive conversion -> CFT -> OPD -> RL -> report.
 #
 #   bash run.sh                                    # synthetic default on a CPU (about 2 hours on 2 cores)
-#   bash run.sh --quick                            # every stage for a few steps: the mechanics only (minutes)
+#   bash run.sh --quick                            # every stage for a few steps: the mechanics only (~4 min)
 #   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # ~100 min, cut short
 #
 # A finished stage (its metrics.json exists) is skipped; an interrupted one resumes from its OUT/<stage>/last.

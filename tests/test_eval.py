@@ -86,3 +86,24 @@ def test_bootstrap_intervals():
     assert lo < 0.5 < hi and hi - lo < 0.3
     mean, lo, hi = metrics.paired_bootstrap([0] * 50 + [1] * 50, [1] * 100)
     assert mean == 0.5 and lo > 0
+
+
+def trace(lines, answer_sids, scores=(5, 5, 2)):
+    """A response in data.teacher_trace's format for the first three candidates of C."""
+    evidence = " ".join(f"c{k + 1} brand item brand0 cat0 next0 top0 = {s} ;" for k, s in enumerate(scores))
+    ranking = " ".join(f"{s} c{k} {' '.join(sid.replace('><', '> <').split())} ;" for s, k, sid in lines)
+    return f"<think> {evidence} ranking : {ranking} </think> [" + "".join(answer_sids) + "]"
+
+
+@pytest.mark.parametrize("lines, answer_sids, cause", [
+    ([(5, 1, C[0]), (5, 1, C[0]), (2, 3, C[2])], [C[0], C[0], C[2]], "tie repeated"),       # c1 twice in the 5-tie
+    ([(5, 1, C[0]), (5, 2, C[0]), (2, 3, C[2])], [C[0], C[0], C[2]], "sid mixed"),          # c2 written with c1's SID
+    ([(5, 1, C[0]), (5, 2, C[1]), (2, 3, C[2])], [C[0], C[0], C[2]], "answer mis-copied"),  # ranking right, answer not
+    ([(5, 1, C[0]), (2, 3, C[2]), (2, 3, C[2])], [C[0], C[2], C[2]], "order"),              # c3 (alone at 2) twice
+])
+def test_invalid_cause_by_hand(lines, answer_sids, cause):
+    cands = C[:3]
+    text = trace(lines, answer_sids)
+    assert metrics.judge(text, cands)[1] != "valid"
+    assert metrics.invalid_cause(text, cands) == cause
+    assert metrics.invalid_cause("<think> no ranking here </think> []", cands) == "no ranking"
