@@ -380,8 +380,9 @@ def rank_by(ev, weights):
     return sorted(range(len(ev)), key=lambda p: -scores[p]), scores
 
 
-def teacher_trace(items, sid, history, cands, target, next_leaf, rng):
-    """(reasoning, answer) of a sampled strategy that puts the target first, or None when none does."""
+def teacher_trace(items, sid, history, cands, target, next_leaf, rng, ranking_sids=True):
+    """(reasoning, answer) of a sampled strategy that puts the target first, or None when none does.
+    ranking_sids=False writes the ranking lines as `score cK ;` and leaves the SIDs to the answer."""
     ev = evidence(items, history, cands, next_leaf)
     for name in rng.choice(list(STRATEGIES), size=len(STRATEGIES), replace=False, p=STRATEGY_PRIOR):
         order, scores = rank_by(ev, STRATEGIES[name])
@@ -390,7 +391,8 @@ def teacher_trace(items, sid, history, cands, target, next_leaf, rng):
             lines = [f"last {last} -> {next_leaf.get(last, 'none')} ; strategy {name}"]
             lines += [f"c{p + 1} {brand_of(items[c])} {leaf_of(items[c])} brand{b} cat{k} next{n} top{t} = {s} ;"
                       for p, (c, (b, k, n, t), s) in enumerate(zip(cands, ev, scores))]
-            lines += ["ranking :"] + [f"{scores[p]} c{p + 1} {sid[cands[p]]} ;" for p in order]
+            lines += ["ranking :"] + [f"{scores[p]} c{p + 1}" + (f" {sid[cands[p]]}" if ranking_sids else "") + " ;"
+                                      for p in order]
             return "<think>\n" + "\n".join(lines) + "\n</think>", "\n\n[" + "".join(sid[cands[p]] for p in order) + "]"
     return None
 
@@ -498,7 +500,7 @@ def build(args, log=print):
             reasoning, answer = "", ""
             if split == "train":
                 tried += 1
-                trace = teacher_trace(items, sid, hist, cands, target, next_leaf, rng)
+                trace = teacher_trace(items, sid, hist, cands, target, next_leaf, rng, args.ranking == "sid")
                 if trace is None:
                     continue
                 kept += 1
@@ -614,6 +616,8 @@ def main(argv=None):
     ap.add_argument("--codebook", type=int, default=0, help="codes per SID level (0 = 256, TIGER's size)")
     ap.add_argument("--history", type=int, default=0, help="history items shown in the prompt (0 = default: 5 synthetic, 6 beauty)")
     ap.add_argument("--max-eval", type=int, default=None, help="cap on valid/test examples, a seeded subset (default: 500 synthetic, all beauty)")
+    ap.add_argument("--ranking", choices=["sid", "index"], default="sid",  # assumption: GR2-style traces name the items
+                    help="ranking lines of the trace: 'score cK SID ;' or 'score cK ;' (the answer alone writes the SIDs)")
     ap.add_argument("--title-words", type=int, default=0, help="words of each title shown (0 = default: 3 synthetic, 5 beauty)")
     args = ap.parse_args(argv)
     if args.source == "beauty" and not args.raw:

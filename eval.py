@@ -71,7 +71,8 @@ def judge(text, candidates):
 
 
 INVALID_CAUSES = ("no ranking", "tie repeated", "sid mixed", "answer mis-copied", "order")
-RANKING_LINE_RE = re.compile(r"(\d+)\s+c(\d+)\s+" + SID_RE.pattern)  # `score cK <a_><b_><c_><d_>` (data.teacher_trace)
+# a ranking line of data.teacher_trace: `score cK <a_><b_><c_><d_> ;`, or `score cK ;` with --ranking index
+RANKING_LINE_RE = re.compile(r"(\d+)\s+c(\d+)\s*(?:" + SID_RE.pattern + r")?\s*;")
 
 
 def invalid_cause(text, candidates):
@@ -80,7 +81,7 @@ def invalid_cause(text, candidates):
     no ranking         the reasoning has no `ranking :` section
     tie repeated       a ranking line names a candidate again, one that shares its score with another
     sid mixed          every candidate is named once, but some line's SID is not its candidate's
-    answer mis-copied  the ranking lines are right; the answer list is not their copy
+    answer mis-copied  the ranking lines are right; the answer list does not follow them
     order              anything else (a line lost, a wrong score, a candidate repeated across scores)
     """
     reasoning = text.split("</think>")[0]
@@ -88,10 +89,10 @@ def invalid_cause(text, candidates):
         return "no ranking"
     evidence, ranking = reasoning.split("ranking :", 1)
     score = dict(re.findall(r"\bc(\d+)\b[^;=]*=\s*(\d+)", evidence))  # candidate number -> stated score
-    lines = RANKING_LINE_RE.findall(ranking)                             # (score, k, a, b, c, d)
+    lines = RANKING_LINE_RE.findall(ranking)                             # (score, k, a, b, c, d); a-d '' if no SID
     named = [k for _, k, *_ in lines]
     if sorted(named, key=int) == [str(k + 1) for k in range(len(candidates))]:
-        right = all(sid_str(*sid) == candidates[int(k) - 1] for _, k, *sid in lines)
+        right = all(not sid[0] or sid_str(*sid) == candidates[int(k) - 1] for _, k, *sid in lines)
         return "answer mis-copied" if right else "sid mixed"
     repeated = [k for k in set(named) if named.count(k) > 1]
     if repeated and all(list(score.values()).count(score.get(k)) > 1 for k in repeated):

@@ -11,9 +11,10 @@ import eval as metrics
 from conftest import SHARED
 
 
-def build(tmp_path, raw=None, seed=0, users=300):
+def build(tmp_path, raw=None, seed=0, users=300, ranking="sid"):
     args = Namespace(source="beauty" if raw else "synthetic", raw=raw, seed=seed, users=users, codebook=0, history=0,
-                     title_words=0, max_eval=None, tokenizer="word", tmp=str(tmp_path / f"tmp{seed}{users}{bool(raw)}"))
+                     title_words=0, max_eval=None, tokenizer="word", ranking=ranking,
+                     tmp=str(tmp_path / f"tmp{seed}{users}{bool(raw)}{ranking}"))
     return data.build(args, log=lambda *a: None)
 
 
@@ -31,6 +32,16 @@ def test_examples_follow_the_protocol(small):
             assert len(cands) == 10 == len(set(cands)) and cands.count(ex["target"]) == 1
             assert ex["target"] not in ex["history"] and not set(cands) & set(ex["history"])
             assert [f"c{p + 1} {sid[c]}" in ex["prompt"] for p, c in enumerate(cands)] == [True] * 10
+
+
+def test_index_ranking_drops_the_sids_from_the_reasoning_only(small, tmp_path):
+    splits, *_ = small
+    index = build(tmp_path, ranking="index")[0]
+    for ex, ix in zip(splits["train"][:50], index["train"][:50]):
+        assert ix["answer"] == ex["answer"] and ix["prompt"] == ex["prompt"]
+        ranking = ix["reasoning"].split("ranking :")[1]
+        assert not metrics.SID_RE.search(ranking) and ranking.count(" ;") == 10
+        assert ex["reasoning"].split("ranking :")[0] == ix["reasoning"].split("ranking :")[0]
 
 
 def test_candidates_keep_the_retriever_order(tmp_path):
