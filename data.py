@@ -549,7 +549,7 @@ def build(args, log=print):
              "tokens": {"prompt_mean": float(np.mean([len(r["prompt_ids"]) for r in train])),
                         "reasoning_mean": float(np.mean([r["n_reasoning"] for r in train])),
                         "answer_mean": float(np.mean([len(r["response_ids"]) - r["n_reasoning"] for r in train]))},
-             "vocab_size": len(tok), "tokenizer": args.tokenizer, "seed": args.seed}
+             "vocab_size": len(tok), "tokenizer": args.tokenizer, "ranking": args.ranking, "seed": args.seed}
     return data, items, sid, codes, tok, stats
 
 
