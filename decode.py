@@ -241,12 +241,6 @@ def replay_chunks(model, prompts, canvases, steps, block, mask_id, keep, pad_id=
         yield gather_logits(model, hidden_states(model, rows), (b, src[b, r])), order
 
 
-def replay_logits(model, prompts, canvases, steps, block, mask_id, keep, pad_id=0, max_rows=64):  # [diffusion]
-    """All of replay_chunks at once: logits (N, V) of every kept token and their (trajectory, position)."""
-    parts = list(replay_chunks(model, prompts, canvases, steps, block, mask_id, keep, pad_id, max_rows))
-    return torch.cat([logits for logits, _ in parts]), [o for _, order in parts for o in order]
-
-
 # ----------------------------------------------------------------------------- decode and score a split
 def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_size=32, temperature=0.0,
              generator=None, progress=False):

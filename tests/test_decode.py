@@ -2,7 +2,7 @@
 import torch
 
 from conftest import EOS, MASK, PAD, random_prompts, tiny
-from decode import ar_generate, diffusion_generate, replay_logits, replay_rows
+from decode import ar_generate, diffusion_generate, replay_chunks, replay_rows
 
 
 def gen(model, prompts, block, tau, max_new=24, **kw):
@@ -64,7 +64,7 @@ def test_replay_canvases_mask_exactly_the_uncommitted_positions():
         assert tg == [r for r, st in enumerate(steps) if st == s]
 
 
-def test_replay_logits_equal_the_decoders_logits_at_commit_time(attn):
+def test_replayed_logits_equal_the_decoders_logits_at_commit_time(attn):
     model = tiny(attn, sharpen=30.0)
     prompts = random_prompts(2, 5, 12)
     seen = {}
@@ -75,7 +75,8 @@ def test_replay_logits_equal_the_decoders_logits_at_commit_time(attn):
 
     out = gen(model, prompts, block=4, tau=0.7, on_step=record)
     keep = [len(t) for t in out.tokens]
-    logits, order = replay_logits(model, prompts, out.canvas, out.steps, 4, MASK, keep, pad_id=PAD, max_rows=3)
+    parts = list(replay_chunks(model, prompts, out.canvas, out.steps, 4, MASK, keep, pad_id=PAD, max_rows=3))
+    logits, order = torch.cat([lg for lg, _ in parts]), [o for _, od in parts for o in od]
     assert len(order) == sum(keep)
     for row, key in zip(logits, order):
         ref = seen[key]
