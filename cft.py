@@ -43,6 +43,9 @@ def parse_args(argv=None):
     ap.add_argument("--epochs", type=float, default=2.0,  # assumption: the paper trains 3 epochs; 2 fit the 45-minute CPU budget
                     help="passes over the traces (the paper: 3); 0 = naive conversion")
     ap.add_argument("--block", type=int, default=32, help="block size B")  # [diffusion]
+    ap.add_argument("--sub-block", type=int, default=0,  # [diffusion] assumption: 0, the paper's decoder (Fast-dLLM v2: 8)
+                    help="decode: commit only inside the leftmost sub-block of this size with masks (0 = anywhere in the block); "
+                         "saved with the checkpoint, inherited by opd.py and rl.py"),
     ap.add_argument("--t-min", type=float, default=0.02, help="lowest noise level (assumption: U(t_min, t_max))")
     ap.add_argument("--t-max", type=float, default=0.98, help="highest noise level")
     ap.add_argument("--noise-per", choices=["block", "sequence"], default="block",
@@ -71,11 +74,12 @@ def main(argv=None):
     model, tok, parent = convert(args.init, args.attn, args.dtype)
     model.to(args.device)
     max_new = max(parent["max_new"], args.block * math.ceil(parent["max_new"] / args.block))
-    stage = {"stage": "cft" if args.epochs else "naive", "parent": str(args.init), "block_size": args.block,
+    stage = {"stage": "cft" if args.epochs else "naive", "parent": str(args.init), "block_size": args.block, "sub_block": args.sub_block,
              "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
     if args.epochs == 0:  # the naive conversion: no training at all
         save_checkpoint(out, model, tok, {**stage, "step": 0})
-        return metrics.run_test(out, model, tok, test, sid, "diffusion", args.block, max_new, args.eval_batch, TAUS, args.tau_n)
+        return metrics.run_test(out, model, tok, test, sid, "diffusion", args.block, max_new, args.eval_batch, TAUS, args.tau_n,
+                                args.sub_block)
 
     steps = args.steps or max(1, round(args.epochs * len(train) / args.batch_size))
     print(f"CFT: {len(train)} traces x {args.epochs} epochs = {steps} steps of {args.batch_size} "
@@ -85,7 +89,7 @@ def main(argv=None):
     best, log = state.get("best", -1.0), Log(out, fresh=start == 0)
     t0, losses = time.time() - state.get("elapsed", 0.0), []
     if start == 0:  # the curve starts at the naive conversion
-        log(step=0, minutes=0.0, **validate(model, tok, valid, sid, "diffusion", args.block, max_new, args.eval_batch)[0])
+        log(step=0, minutes=0.0, **validate(model, tok, valid, sid, "diffusion", args.block, max_new, args.eval_batch, args.sub_block)[0])
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="cft", dynamic_ncols=True)
     for step in bar:
         model.train()
@@ -103,7 +107,7 @@ def main(argv=None):
         losses.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
         if (step + 1) % args.eval_every == 0 or step + 1 == steps:
-            val, _ = validate(model, tok, valid, sid, "diffusion", args.block, max_new, args.eval_batch)
+            val, _ = validate(model, tok, valid, sid, "diffusion", args.block, max_new, args.eval_batch, args.sub_block)
             rec = log(step=step + 1, minutes=(time.time() - t0) / 60, loss=sum(losses) / len(losses), **val)
             losses = []
             tqdm.write(f"step {rec['step']:5d} | {rec['minutes']:5.1f} min | loss {rec['loss']:.4f} | tau=1.0 valid "
@@ -114,7 +118,8 @@ def main(argv=None):
             best = keep_best(out, model, tok, stage, opt, step + 1, val, score, best, t0)
 
     model, tok, stage = load_best(out, args, "CFT", t0)
-    return metrics.run_test(out, model, tok, test, sid, "diffusion", args.block, max_new, args.eval_batch, TAUS, args.tau_n)
+    return metrics.run_test(out, model, tok, test, sid, "diffusion", args.block, max_new, args.eval_batch, TAUS, args.tau_n,
+                            args.sub_block)
 
 
 if __name__ == "__main__":

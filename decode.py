@@ -243,7 +243,7 @@ def replay_chunks(model, prompts, canvases, steps, block, mask_id, keep, pad_id=
 
 # ----------------------------------------------------------------------------- decode and score a split
 def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_size=32, temperature=0.0,
-             generator=None, progress=False):
+             generator=None, progress=False, sub_block=0):
     """Decode `prompts` in length-sorted batches; returns a Rollout in the input order and the seconds taken."""
     from tqdm import tqdm
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -256,7 +256,7 @@ def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_si
             out = ar_generate(model, batch, max_new, tok.eos_token_id, tok.pad_token_id, temperature, generator)
         else:
             out = diffusion_generate(model, batch, block, tau, max_new, tok.mask_token_id, tok.eos_token_id,
-                                     tok.pad_token_id, temperature, generator)
+                                     tok.pad_token_id, temperature, generator, sub_block=sub_block)
         for k, i in enumerate(idx):
             parts[i] = (out.tokens[k], out.canvas[k] if out.canvas else None, out.steps[k] if out.steps else None, out.nfe[k])
     seconds = time.perf_counter() - t0
@@ -265,11 +265,11 @@ def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_si
 
 
 @torch.no_grad()
-def evaluate(model, tok, examples, sid, mode, block=32, tau=1.0, max_new=256, batch_size=32, progress=False):
+def evaluate(model, tok, examples, sid, mode, block=32, tau=1.0, max_new=256, batch_size=32, progress=False, sub_block=0):
     """Decode `examples` greedily and score them: (summary dict, per-example rows, texts, rollout)."""
     model.eval()
     out, seconds = generate(model, tok, [ex["prompt_ids"] for ex in examples], mode, block, tau, max_new,
-                            batch_size, progress=progress)
+                            batch_size, progress=progress, sub_block=sub_block)
     texts = [tok.decode(t, skip_special_tokens=False) for t in out.tokens]
     rows = metrics.score_responses(texts, examples, sid)
     summary = metrics.summarize(rows)
@@ -279,15 +279,15 @@ def evaluate(model, tok, examples, sid, mode, block=32, tau=1.0, max_new=256, ba
     return summary, rows, texts, out
 
 
-def validate(model, tok, valid, sid, mode, block, max_new, batch):
+def validate(model, tok, valid, sid, mode, block, max_new, batch, sub_block=0):
     """The training-time check: valid rate and Recall@1 of greedy decoding (and, for diffusion, at tau = 0.9).
 
     Returns the numbers and the tau = 1.0 / AR responses (rl.py scores its held-out reward on them).
     """
-    q, _, texts, _ = evaluate(model, tok, valid, sid, mode, block, 1.0, max_new, batch)
+    q, _, texts, _ = evaluate(model, tok, valid, sid, mode, block, 1.0, max_new, batch, sub_block=sub_block)
     res = {"val_valid_rate": q["valid_rate"], "val_recall1": q["recall@1"]}
     if mode == "diffusion":
-        f, *_ = evaluate(model, tok, valid, sid, mode, block, 0.9, max_new, batch)
+        f, *_ = evaluate(model, tok, valid, sid, mode, block, 0.9, max_new, batch, sub_block=sub_block)
         res.update({"val_valid_rate_0.9": f["valid_rate"], "val_recall1_0.9": f["recall@1"],
                     "val_tokens_per_forward_0.9": f["tokens_per_forward"]})
     return res, texts
@@ -309,7 +309,7 @@ def forward_cost_ratio(model, prompt, block, repeats=20):
     return times[block] / times[1]
 
 
-def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, max_new, log=print):
+def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, max_new, log=print, sub_block=0):
     """Decode the same prompts with AR and with block diffusion at each tau, interleaved chunk by chunk
     so that every decoder sees the same machine load. Returns the rows of the speed table."""
     configs = [("ar", None, None)] + [("diffusion", t, b) for b in blocks for t in taus]
@@ -320,7 +320,7 @@ def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, m
             prompts = [ex["prompt_ids"] for ex in examples[s:s + bs]]
             for c in configs:  # interleaved: AR, then every tau, on this chunk
                 model = ar_model if c[0] == "ar" else diff_model
-                out, sec = generate(model, tok, prompts, c[0], c[2] or 32, c[1] or 1.0, max_new, bs)
+                out, sec = generate(model, tok, prompts, c[0], c[2] or 32, c[1] or 1.0, max_new, bs, sub_block=sub_block)
                 a = acc[c]
                 a["tokens"] += sum(map(len, out.tokens)); a["nfe"] += sum(out.nfe); a["seconds"] += sec
                 a["texts"] += [tok.decode(t) for t in out.tokens]
@@ -328,7 +328,7 @@ def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, m
         for c in configs:
             a = acc[c]
             q = metrics.summarize(metrics.score_responses(a["texts"], examples, sid))
-            rows.append({"decoder": c[0], "tau": c[1], "block": c[2], "batch": bs, "n": len(examples),
+            rows.append({"decoder": c[0], "tau": c[1], "block": c[2], "sub_block": sub_block if c[0] == "diffusion" else None, "batch": bs, "n": len(examples),
                          "tokens_per_s": a["tokens"] / a["seconds"], "tokens_per_forward": a["tokens"] / a["nfe"],
                          "speedup": a["tokens"] / a["seconds"] / ar_speed, "valid_rate": q["valid_rate"],
                          "recall@1": q["recall@1"], "ndcg@3": q["ndcg@3"], "mean_length": a["tokens"] / len(examples)})
@@ -337,13 +337,14 @@ def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, m
 
 
 def format_row(r):
-    name = "AR" if r["decoder"] == "ar" else f"diffusion B={r['block']} tau={r['tau']}"
+    sub = f"/{r['sub_block']}" if r.get("sub_block") else ""
+    name = "AR" if r["decoder"] == "ar" else f"diffusion B={r['block']}{sub} tau={r['tau']}"
     return (f"{name:<26} batch {r['batch']:>3} | {r['tokens_per_s']:8.1f} tok/s | {r['tokens_per_forward']:5.2f} tok/fwd | "
             f"speed-up {r['speedup']:5.2f}x | valid {r['valid_rate']:.3f} | R@1 {r['recall@1']:.3f}")
 
 
 # ----------------------------------------------------------------------------- viewer
-def show(model, tok, example, block, tau, max_new):
+def show(model, tok, example, block, tau, max_new, sub_block=0):
     """Print one example being denoised: masks as '·', new commits highlighted, steps per block."""
     tty = sys.stdout.isatty()
     new = (lambda w: f"\033[1;32m{w}\033[0m") if tty else (lambda w: f"*{w}*")
@@ -359,7 +360,7 @@ def show(model, tok, example, block, tau, max_new):
         per_block[b] = s + 1
 
     out = diffusion_generate(model, [example["prompt_ids"]], block, tau, max_new, tok.mask_token_id, tok.eos_token_id,
-                             tok.pad_token_id, on_step=on_step)
+                             tok.pad_token_id, on_step=on_step, sub_block=sub_block)
     n = len(out.tokens[0])
     print(f"\n{n} tokens in {out.nfe[0]} forwards ({n / out.nfe[0]:.2f} tokens per forward); "
           f"steps per block: {[per_block[b] for b in sorted(per_block)]}")
@@ -380,6 +381,8 @@ def main(argv=None):
     ap.add_argument("--tau", type=float, default=0.9, help="commit threshold (show)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="decoding batch sizes (bench)")
     ap.add_argument("--blocks", type=int, nargs="+", default=None, help="block sizes to decode with (default: the trained one)")
+    ap.add_argument("--sub-block", type=int, default=None,
+                    help="commit only inside the leftmost sub-block of this size with masks (0 = anywhere; default: the checkpoint's)")
     ap.add_argument("--json", default=None, help="write the benchmark rows here")
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
     ap.add_argument("--device", default="cpu", help="torch device")
@@ -393,7 +396,7 @@ def main(argv=None):
         model, tok, stage = load_checkpoint(args.ckpt, args.attn)
         test, _ = data.load_split(args.data, "test", args.index + 1)
         show(model.to(args.device).eval(), tok, test[args.index], args.blocks[0] if args.blocks else stage["block_size"],
-             args.tau, stage["max_new"])
+             args.tau, stage["max_new"], stage.get("sub_block", 0) if args.sub_block is None else args.sub_block)
     elif args.bench:
         ar_model, tok, _ = load_checkpoint(args.ar, args.attn)
         diff_model, _, stage = load_checkpoint(args.diffusion, args.attn)
@@ -401,7 +404,9 @@ def main(argv=None):
         blocks = args.blocks or [stage["block_size"]]
         ratio = {b: forward_cost_ratio(diff_model.eval(), test[0]["prompt_ids"], b) for b in blocks}
         print("cost of a block forward / a 1-token step (batch 1): " + ", ".join(f"B={b}: {r:.2f}x" for b, r in ratio.items()))
-        rows = bench(ar_model.eval(), diff_model.eval(), tok, test, sid, args.taus, args.batch_sizes, blocks, stage["max_new"])
+        sub_block = stage.get("sub_block", 0) if args.sub_block is None else args.sub_block
+        rows = bench(ar_model.eval(), diff_model.eval(), tok, test, sid, args.taus, args.batch_sizes, blocks, stage["max_new"],
+                     sub_block=sub_block)
         result = {"ar": {str(r["batch"]): r for r in rows if r["decoder"] == "ar"},  # keyed by batch size
                   "diffusion": [r for r in rows if r["decoder"] != "ar"],
                   "forward_cost_ratio": ratio, "device": args.device, "threads": torch.get_num_threads()}

@@ -227,21 +227,21 @@ def stage_metrics(quality, examples, by_tau=None):
     return out
 
 
-def run_test(out, model, tok, examples, sid_of, mode, block=32, max_new=256, batch_size=64, taus=(), tau_n=0):
+def run_test(out, model, tok, examples, sid_of, mode, block=32, max_new=256, batch_size=64, taus=(), tau_n=0, sub_block=0):
     """Final test of a stage: quality mode (AR greedy / tau = 1.0), plus `taus` (on the first tau_n examples,
-    0 = all) for diffusion checkpoints.
+    0 = all) for diffusion checkpoints, decoded with the checkpoint's block and sub-block.
 
     Writes OUT/metrics.json and OUT/predictions.jsonl (the stage convention) and prints the table.
     """
     import json
     from pathlib import Path
     from decode import evaluate  # here, not at the top: decode.py imports this module
-    quality, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, block, 1.0, max_new, batch_size, progress=True)
+    quality, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, block, 1.0, max_new, batch_size, True, sub_block)
     write_predictions(Path(out) / "predictions.jsonl", examples, sid_of, texts, rows, roll)
     sub = examples[:tau_n] if tau_n else examples
     by_tau = {}
     for t in taus:  # each threshold keeps its predictions too: the report pairs the stages on them
-        by_tau[t], rows, texts, roll = evaluate(model, tok, sub, sid_of, mode, block, t, max_new, batch_size, progress=True)
+        by_tau[t], rows, texts, roll = evaluate(model, tok, sub, sid_of, mode, block, t, max_new, batch_size, True, sub_block)
         write_predictions(Path(out) / f"predictions_tau{t}.jsonl", sub, sid_of, texts, rows, roll)
     result = stage_metrics(quality, examples, by_tau)
     (Path(out) / "metrics.json").write_text(json.dumps(result, indent=2))
@@ -289,7 +289,8 @@ def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu"):
     model.to(device)
     mode = "ar" if not st.get("block_size") else "diffusion"
     print(f"decoding {len(examples)} test examples with {stage} at tau = {tau} ...")
-    _, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, st.get("block_size") or 1, tau, st["max_new"], 64, True)
+    _, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, st.get("block_size") or 1, tau, st["max_new"], 64, True,
+                                    st.get("sub_block", 0))
     write_predictions(fresh, examples, sid_of, texts, rows, roll)
     return read_jsonl(fresh)
 
@@ -465,7 +466,8 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
         ar, diff = ar.to(device), diff.to(device)
         ratio = forward_cost_ratio(diff.eval(), test[0]["prompt_ids"], st["block_size"])
         print(f"speed: {final} against the AR re-ranker on {bench_n} test prompts (block forward costs {ratio:.2f}x a 1-token step)")
-        t2 = bench(ar.eval(), diff.eval(), tok, test[:bench_n], sid_of, taus, batch_sizes, [st["block_size"]], st["max_new"])
+        t2 = bench(ar.eval(), diff.eval(), tok, test[:bench_n], sid_of, taus, batch_sizes, [st["block_size"]], st["max_new"],
+                   sub_block=st.get("sub_block", 0))
         plot_frontier(t2, run / "frontier.png")
     plot_curves(run, run / "curves.png")
     plot_masks(run / "masks.png")
@@ -509,7 +511,8 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
         lines += invalid_lines(t1b)
     if t2:
         lines += ["", f"## Table 2: decoding speed, AR against `{final}` (first {bench_n} test prompts, this machine)", "",
-                  f"One block forward costs {ratio:.2f}x a 1-token AR step here (batch 1).", "",
+                  f"One block forward costs {ratio:.2f}x a 1-token AR step here (batch 1). Block {st['block_size']}"
+                  + (f", commits only inside the leftmost sub-block of {st['sub_block']} with masks." if st.get("sub_block") else "."), "",
                   "| decoder | batch | Recall@1 | valid rate | tokens/s | tokens per forward | speed-up |", "|---|---|---|---|---|---|---|"]
         for r in t2:
             name = "AR" if r["decoder"] == "ar" else f"diffusion tau = {r['tau']}"

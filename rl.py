@@ -43,6 +43,8 @@ def parse_args(argv=None):
     ap.add_argument("--group", type=int, default=8, help="G: rollouts per prompt")
     ap.add_argument("--prompts-per-step", type=int, default=4, help="prompts per step")
     ap.add_argument("--tau", type=float, default=0.9, help="commit threshold of the rollouts (diffusion)")
+    ap.add_argument("--sub-block", type=int, default=None,  # [diffusion]
+                    help="decode with sub-blocks of this size (0 = commit anywhere in the block; default: the parent checkpoint's)")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--clip", type=float, default=0.2, help="epsilon of the clipped ratio")
     ap.add_argument("--updates", type=int, default=1, help="optimizer steps per batch of rollouts (mu)")
@@ -93,14 +95,16 @@ def main(argv=None):
     if (args.policy == "ar") != (parent.get("block_size") is None):
         raise SystemExit(f"error: --policy {args.policy} does not match {args.init} (block size {parent.get('block_size')})")
     mode = "ar" if args.policy == "ar" else "diffusion"
+    sub = parent.get("sub_block", 0) if args.sub_block is None else args.sub_block  # [diffusion]
     stage = {"stage": "rl" if mode == "diffusion" else "rl-ar", "parent": str(args.init), "block_size": parent.get("block_size"),
+             "sub_block": sub,
              "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
     print(f"rollouts: G={args.group} x {args.prompts_per_step} prompts, tau={args.tau}, temperature={args.temperature}, "
-          f"policy={args.policy}")
+          f"policy={args.policy}" + (f", sub-block {sub}" if mode == "diffusion" else ""))
 
     def held_out():
         """Mean reward of greedy (tau = 1.0) answers on validation prompts, and the validation metrics."""
-        val, texts = validate(model, tok, valid, sid, mode, block, max_new, args.eval_batch)
+        val, texts = validate(model, tok, valid, sid, mode, block, max_new, args.eval_batch, sub)
         rew = [metrics.rerank_reward(t, [sid[c] for c in ex["candidates"]], sid[ex["target"]]) for t, ex in zip(texts, valid)]
         return {"val_reward": sum(rew) / len(rew), **val}
 
@@ -118,7 +122,7 @@ def main(argv=None):
         prompts = [ex["prompt_ids"] for ex in examples]
         model.eval()
         gen = torch.Generator(device=args.device).manual_seed(args.seed * 100003 + step)
-        roll, _ = generate(model, tok, prompts, mode, block, args.tau, max_new, len(prompts), args.temperature, gen)
+        roll, _ = generate(model, tok, prompts, mode, block, args.tau, max_new, len(prompts), args.temperature, gen, sub_block=sub)
         texts = [tok.decode(t) for t in roll.tokens]
         cands = [[sid[c] for c in ex["candidates"]] for ex in examples]
         rewards = [metrics.rerank_reward(t, c, sid[ex["target"]]) for t, c, ex in zip(texts, cands, examples)]
@@ -164,7 +168,7 @@ def main(argv=None):
 
     model, tok, stage = load_best(out, args, "RL", t0)
     return metrics.run_test(out, model, tok, test, sid, mode, block, max_new, args.eval_batch,
-                           TAUS if mode == "diffusion" else (), args.tau_n)
+                           TAUS if mode == "diffusion" else (), args.tau_n, sub)
 
 
 if __name__ == "__main__":
