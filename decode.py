@@ -11,7 +11,9 @@ being denoised), then for every masked position, with token shift,
     commit j  if  max p_j >= tau,   and always the single most confident masked position
 
 A committed token is never re-masked. tau = 1.0 commits exactly one token per forward (a float32
-softmax can return exactly 1.0, so it is a special case, not a `>=` test). When the block has no
+softmax can return exactly 1.0, so it is a special case, not a `>=` test). With sub-blocks (Fast-dLLM
+v2; a checkpoint's `sub_block`, 0 = off) only the leftmost sub-block that still has masks may commit:
+the block is still run whole, but it is filled a few positions at a time, left to right. When the block has no
 masks left it is run once more to write its K/V into the cache (the commit forward); its last logit
 predicts the next block's first token. A row stops as soon as its end token is committed with every
 position before it filled. Batched: left-padded prompts, each row commits its own positions.
@@ -309,10 +311,10 @@ def forward_cost_ratio(model, prompt, block, repeats=20):
     return times[block] / times[1]
 
 
-def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, max_new, log=print, sub_block=0):
-    """Decode the same prompts with AR and with block diffusion at each tau, interleaved chunk by chunk
-    so that every decoder sees the same machine load. Returns the rows of the speed table."""
-    configs = [("ar", None, None)] + [("diffusion", t, b) for b in blocks for t in taus]
+def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, max_new, log=print, sub_blocks=(0,)):
+    """Decode the same prompts with AR and with block diffusion at each (block, sub-block, tau), interleaved
+    chunk by chunk so that every decoder sees the same machine load. Returns the rows of the speed table."""
+    configs = [("ar", None, None, None)] + [("diffusion", t, b, sb) for b in blocks for sb in sub_blocks for t in taus]
     rows = []
     for bs in batch_sizes:
         acc = {c: {"tokens": 0, "nfe": 0, "seconds": 0.0, "texts": []} for c in configs}
@@ -320,7 +322,7 @@ def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, m
             prompts = [ex["prompt_ids"] for ex in examples[s:s + bs]]
             for c in configs:  # interleaved: AR, then every tau, on this chunk
                 model = ar_model if c[0] == "ar" else diff_model
-                out, sec = generate(model, tok, prompts, c[0], c[2] or 32, c[1] or 1.0, max_new, bs, sub_block=sub_block)
+                out, sec = generate(model, tok, prompts, c[0], c[2] or 32, c[1] or 1.0, max_new, bs, sub_block=c[3] or 0)
                 a = acc[c]
                 a["tokens"] += sum(map(len, out.tokens)); a["nfe"] += sum(out.nfe); a["seconds"] += sec
                 a["texts"] += [tok.decode(t) for t in out.tokens]
@@ -328,7 +330,7 @@ def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, m
         for c in configs:
             a = acc[c]
             q = metrics.summarize(metrics.score_responses(a["texts"], examples, sid))
-            rows.append({"decoder": c[0], "tau": c[1], "block": c[2], "sub_block": sub_block if c[0] == "diffusion" else None, "batch": bs, "n": len(examples),
+            rows.append({"decoder": c[0], "tau": c[1], "block": c[2], "sub_block": c[3], "batch": bs, "n": len(examples),
                          "tokens_per_s": a["tokens"] / a["seconds"], "tokens_per_forward": a["tokens"] / a["nfe"],
                          "speedup": a["tokens"] / a["seconds"] / ar_speed, "valid_rate": q["valid_rate"],
                          "recall@1": q["recall@1"], "ndcg@3": q["ndcg@3"], "mean_length": a["tokens"] / len(examples)})
@@ -381,8 +383,9 @@ def main(argv=None):
     ap.add_argument("--tau", type=float, default=0.9, help="commit threshold (show)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="decoding batch sizes (bench)")
     ap.add_argument("--blocks", type=int, nargs="+", default=None, help="block sizes to decode with (default: the trained one)")
-    ap.add_argument("--sub-block", type=int, default=None,
-                    help="commit only inside the leftmost sub-block of this size with masks (0 = anywhere; default: the checkpoint's)")
+    ap.add_argument("--sub-blocks", type=int, nargs="+", default=None,
+                    help="sub-block sizes to decode with: commit only inside the leftmost sub-block with masks "
+                         "(0 = anywhere in the block; default: the checkpoint's; --show uses the first)")
     ap.add_argument("--json", default=None, help="write the benchmark rows here")
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
     ap.add_argument("--device", default="cpu", help="torch device")
@@ -396,7 +399,7 @@ def main(argv=None):
         model, tok, stage = load_checkpoint(args.ckpt, args.attn)
         test, _ = data.load_split(args.data, "test", args.index + 1)
         show(model.to(args.device).eval(), tok, test[args.index], args.blocks[0] if args.blocks else stage["block_size"],
-             args.tau, stage["max_new"], stage.get("sub_block", 0) if args.sub_block is None else args.sub_block)
+             args.tau, stage["max_new"], args.sub_blocks[0] if args.sub_blocks else stage.get("sub_block", 0))
     elif args.bench:
         ar_model, tok, _ = load_checkpoint(args.ar, args.attn)
         diff_model, _, stage = load_checkpoint(args.diffusion, args.attn)
@@ -404,15 +407,13 @@ def main(argv=None):
         blocks = args.blocks or [stage["block_size"]]
         ratio = {b: forward_cost_ratio(diff_model.eval(), test[0]["prompt_ids"], b) for b in blocks}
         print("cost of a block forward / a 1-token step (batch 1): " + ", ".join(f"B={b}: {r:.2f}x" for b, r in ratio.items()))
-        sub_block = stage.get("sub_block", 0) if args.sub_block is None else args.sub_block
         rows = bench(ar_model.eval(), diff_model.eval(), tok, test, sid, args.taus, args.batch_sizes, blocks, stage["max_new"],
-                     sub_block=sub_block)
+                     sub_blocks=args.sub_blocks or [stage.get("sub_block", 0)])
         result = {"ar": {str(r["batch"]): r for r in rows if r["decoder"] == "ar"},  # keyed by batch size
                   "diffusion": [r for r in rows if r["decoder"] != "ar"],
                   "forward_cost_ratio": ratio, "device": args.device, "threads": torch.get_num_threads()}
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
+            metrics.write_atomic(args.json, json.dumps(result, indent=2))
     else:
         ap.error("choose --bench or --show")
 

@@ -19,6 +19,7 @@ Report mode (`python eval.py --report --run out/`) evaluates every checkpoint of
 the same test examples and writes results.md / results.json; it lives at the end of this file.
 """
 import math
+import os
 import re
 from pathlib import Path
 
@@ -201,16 +202,24 @@ def read_jsonl(path):
 
 
 # ----------------------------------------------------------------------------- the stage convention
+def write_atomic(path, text):
+    """Write text to a temporary file beside `path`, then rename: a reader never sees half a file."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_predictions(path, examples, sid_of, texts, rows, roll=None):
     """OUT/predictions.jsonl: everything needed to recompute the metrics and study the errors."""
     import json
-    with open(path, "w") as f:
-        for k, (ex, text, row) in enumerate(zip(examples, texts, rows)):
-            rec = {"id": ex["id"], "candidates": [sid_of[i] for i in ex["candidates"]], "target": sid_of[ex["target"]],
-                   "response": text, "parsed": row["parsed"], "validity": row["validity"]}
-            if roll is not None:  # the decoding cost of this response
-                rec.update(n_tokens=len(roll.tokens[k]), nfe=roll.nfe[k])
-            f.write(json.dumps(rec) + "\n")
+    lines = []
+    for k, (ex, text, row) in enumerate(zip(examples, texts, rows)):
+        rec = {"id": ex["id"], "candidates": [sid_of[i] for i in ex["candidates"]], "target": sid_of[ex["target"]],
+               "response": text, "parsed": row["parsed"], "validity": row["validity"]}
+        if roll is not None:  # the decoding cost of this response
+            rec.update(n_tokens=len(roll.tokens[k]), nfe=roll.nfe[k])
+        lines.append(json.dumps(rec) + "\n")
+    write_atomic(path, "".join(lines))
 
 
 def stage_metrics(quality, examples, by_tau=None):
@@ -244,7 +253,7 @@ def run_test(out, model, tok, examples, sid_of, mode, block=32, max_new=256, bat
         by_tau[t], rows, texts, roll = evaluate(model, tok, sub, sid_of, mode, block, t, max_new, batch_size, True, sub_block)
         write_predictions(Path(out) / f"predictions_tau{t}.jsonl", sub, sid_of, texts, rows, roll)
     result = stage_metrics(quality, examples, by_tau)
-    (Path(out) / "metrics.json").write_text(json.dumps(result, indent=2))
+    write_atomic(Path(out) / "metrics.json", json.dumps(result, indent=2))
     name = "AR greedy" if mode == "ar" else "tau=1.0"
     print(f"test (n={result['n']})   R@1     R@3     NDCG@3  valid   tok/fwd")
     print(f"  retriever floor   {result['floor']['recall@1']:.4f}  {result['floor']['recall@3']:.4f}  {result['floor']['ndcg@3']:.4f}")
@@ -274,11 +283,17 @@ def reasoning_quality(preds, examples, sid_of):
     return real / cited if cited else float("nan")
 
 
-def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu"):
-    """The stage's own predictions at `tau` when they cover `examples`, else a fresh decode (kept in run/report)."""
+def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu", sub_block=None):
+    """The stage's own predictions at `tau` when they cover `examples`, else a fresh decode (kept in run/report).
+
+    sub_block (not None) decodes a diffusion stage with that sub-block instead of the checkpoint's own."""
+    import json
     name = "predictions.jsonl" if tau == 1.0 else f"predictions_tau{tau}.jsonl"
-    fresh = Path(run) / "report" / f"{stage}_{name}"
-    for path in (Path(run) / stage / name, fresh):  # the stage's own file, or one an earlier report decoded
+    st = json.loads((Path(run) / stage / "stage.json").read_text())
+    own = not st.get("block_size") or sub_block is None or sub_block == st.get("sub_block", 0)
+    sub_block = st.get("sub_block", 0) if sub_block is None else sub_block
+    fresh = Path(run) / "report" / (f"{stage}_{name}" if own else f"{stage}_sub{sub_block}_{name}")
+    for path in ((Path(run) / stage / name, fresh) if own else (fresh,)):  # the stage's own file, or an earlier report's
         if path.exists():
             preds = read_jsonl(path)
             if [p["id"] for p in preds] == [ex["id"] for ex in examples]:
@@ -290,7 +305,7 @@ def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu"):
     mode = "ar" if not st.get("block_size") else "diffusion"
     print(f"decoding {len(examples)} test examples with {stage} at tau = {tau} ...")
     _, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, st.get("block_size") or 1, tau, st["max_new"], 64, True,
-                                    st.get("sub_block", 0))
+                                    sub_block)
     write_predictions(fresh, examples, sid_of, texts, rows, roll)
     return read_jsonl(fresh)
 
@@ -328,18 +343,18 @@ def ladder(entries, examples, sid_of, tok):
     return rows
 
 
-def table1(run, test, sid_of, tok, device="cpu"):
+def table1(run, test, sid_of, tok, device="cpu", sub_block=None):
     """The stage ladder at tau = 1.0 (AR greedy for the AR re-ranker)."""
     entries = [("floor", "retriever floor", None)]
-    entries += [(stage, name, stage_predictions(run, stage, test, sid_of, tok, 1.0, device))
+    entries += [(stage, name, stage_predictions(run, stage, test, sid_of, tok, 1.0, device, sub_block))
                 for stage, name in STAGES if (Path(run) / stage / "stage.json").exists()]
     return ladder(entries, test, sid_of, tok)
 
 
-def table1b(run, examples, sid_of, tok, tau=0.9, device="cpu"):
+def table1b(run, examples, sid_of, tok, tau=0.9, device="cpu", sub_block=None):
     """The diffusion stages at a parallel threshold, paired on the same examples: does each stage keep its gains?"""
     entries = [("floor", "retriever floor", None)]
-    entries += [(stage, name, stage_predictions(run, stage, examples, sid_of, tok, tau, device))
+    entries += [(stage, name, stage_predictions(run, stage, examples, sid_of, tok, tau, device, sub_block))
                 for stage, name in STAGES if stage in ("cft", "opd", "rl") and (Path(run) / stage / "stage.json").exists()]
     rows = ladder(entries, examples, sid_of, tok)
     for r in rows:
@@ -445,8 +460,11 @@ def invalid_lines(rows):
         f"- {r['name']}: " + ", ".join(f"{c} {n}" for c, n in r["invalid_causes"].items()) for r in rows]
 
 
-def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 0.4), tau_n=200, device="cpu"):
-    """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and plots."""
+def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 0.4), tau_n=200, device="cpu", sub_block=None):
+    """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and plots.
+
+    sub_block (not None) decodes every diffusion stage with that sub-block instead of its own; the
+    files are then named results_sub{n}.md / .json and frontier_sub{n}.png, beside the default ones."""
     import json
     import data
     from decode import bench, forward_cost_ratio
@@ -456,8 +474,9 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
     (run / "report").mkdir(parents=True, exist_ok=True)
     test, sid_of = data.load_split(data_dir, "test")
     tok = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
-    t1 = table1(run, test, sid_of, tok, device)
-    t1b = table1b(run, test[:tau_n] if tau_n else test, sid_of, tok, 0.9, device)
+    sfx = "" if sub_block is None else f"_sub{sub_block}"
+    t1 = table1(run, test, sid_of, tok, device, sub_block)
+    t1b = table1b(run, test[:tau_n] if tau_n else test, sid_of, tok, 0.9, device, sub_block)
     final = next((s for s in ("rl", "opd", "cft") if (run / s / "stage.json").exists()), None)
     t2, ratio = [], None
     if final and (run / "sft" / "stage.json").exists():
@@ -466,15 +485,16 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
         ar, diff = ar.to(device), diff.to(device)
         ratio = forward_cost_ratio(diff.eval(), test[0]["prompt_ids"], st["block_size"])
         print(f"speed: {final} against the AR re-ranker on {bench_n} test prompts (block forward costs {ratio:.2f}x a 1-token step)")
+        t2_sub = st.get("sub_block", 0) if sub_block is None else sub_block
         t2 = bench(ar.eval(), diff.eval(), tok, test[:bench_n], sid_of, taus, batch_sizes, [st["block_size"]], st["max_new"],
-                   sub_block=st.get("sub_block", 0))
-        plot_frontier(t2, run / "frontier.png")
+                   sub_blocks=[t2_sub])
+        plot_frontier(t2, run / f"frontier{sfx}.png")
     plot_curves(run, run / "curves.png")
     plot_masks(run / "masks.png")
     stats = json.loads((Path(data_dir) / "stats.json").read_text())
     result = {"data": str(data_dir), "n_test": len(test), "table1": t1, "table1b_tau0.9": t1b, "table2": t2, "forward_cost_ratio": ratio,
               "final_diffusion": final, "data_stats": stats}
-    (run / "results.json").write_text(json.dumps(result, indent=2))
+    write_atomic(run / f"results{sfx}.json", json.dumps(result, indent=2))
     lines = [f"# Diffusion-GR2 results: {data_dir} (test n = {len(test)})", "",
              "## Table 1: the stage ladder (tau = 1.0; AR greedy), 95% bootstrap intervals", "",
              "| method | Recall@1 | Recall@3 | NDCG@3 | valid rate | copies retriever | grounded ids | reasoning tokens "
@@ -512,15 +532,15 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
     if t2:
         lines += ["", f"## Table 2: decoding speed, AR against `{final}` (first {bench_n} test prompts, this machine)", "",
                   f"One block forward costs {ratio:.2f}x a 1-token AR step here (batch 1). Block {st['block_size']}"
-                  + (f", commits only inside the leftmost sub-block of {st['sub_block']} with masks." if st.get("sub_block") else "."), "",
+                  + (f", commits only inside the leftmost sub-block of {t2_sub} with masks." if t2_sub else "."), "",
                   "| decoder | batch | Recall@1 | valid rate | tokens/s | tokens per forward | speed-up |", "|---|---|---|---|---|---|---|"]
         for r in t2:
             name = "AR" if r["decoder"] == "ar" else f"diffusion tau = {r['tau']}"
             lines.append(f"| {name} | {r['batch']} | {r['recall@1']:.3f} | {r['valid_rate']:.3f} | {r['tokens_per_s']:.1f} | "
                          f"{r['tokens_per_forward']:.2f} | {r['speedup']:.2f}x |")
-        lines += ["", "![speed/accuracy frontier](frontier.png)"]
+        lines += ["", f"![speed/accuracy frontier](frontier{sfx}.png)"]
     lines += ["", "![training curves](curves.png)", "", "![attention masks](masks.png)", ""]
-    (run / "results.md").write_text("\n".join(lines))
+    write_atomic(run / f"results{sfx}.md", "\n".join(lines))
     print("\n".join(lines))
     return result
 
@@ -536,11 +556,14 @@ def main(argv=None):
     ap.add_argument("--tau-n", type=int, default=200, help="test examples for the tau = 0.9 ladder (0 = all)")
     ap.add_argument("--device", default="cpu", help="torch device for the decoding the report does")
     ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
+    ap.add_argument("--sub-block", type=int, default=None,
+                    help="decode every diffusion stage with this sub-block instead of its own (writes results_sub{n}.md)")
     args = ap.parse_args(argv)
     if args.masks_figure:
         plot_masks(args.masks_figure)
     elif args.report:
-        report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tau_n=args.tau_n, device=args.device)
+        report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tau_n=args.tau_n, device=args.device,
+               sub_block=args.sub_block)
     else:
         ap.error("choose --report or --masks-figure")
 

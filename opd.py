@@ -164,7 +164,7 @@ def main(argv=None):
     result["teacher_agreement"] = {
         "init": metrics.agreement(metrics.read_jsonl(f"{args.init}/predictions.jsonl"), teacher_preds),
         "final": metrics.agreement(metrics.read_jsonl(out / "predictions.jsonl"), teacher_preds)}
-    (out / "metrics.json").write_text(json.dumps(result, indent=2))
+    metrics.write_atomic(out / "metrics.json", json.dumps(result, indent=2))
     print("test KL to the teacher: {init:.4f} (CFT) -> {final:.4f} (OPD)".format(**result["kl_to_teacher"]))
     for k in ("init", "final"):
         a = result["teacher_agreement"][k]

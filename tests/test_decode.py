@@ -1,4 +1,5 @@
 """decode.py: exact equivalences of the cached decoders, the step map and its replay."""
+import pytest
 import torch
 
 from conftest import EOS, MASK, PAD, random_prompts, tiny
@@ -64,7 +65,30 @@ def test_replay_canvases_mask_exactly_the_uncommitted_positions():
         assert tg == [r for r, st in enumerate(steps) if st == s]
 
 
-def test_replayed_logits_equal_the_decoders_logits_at_commit_time(attn):
+def test_sub_blocks_are_committed_left_to_right():
+    model = tiny(sharpen=30.0)
+    prompts, block, sub = random_prompts(3, 4, 14), 8, 2
+    parallel = []
+
+    def check(b, s, canvas, commit, pred):
+        for i in range(len(prompts)):
+            cols = commit[i].nonzero()[:, 0]
+            if len(cols):
+                assert len(set((cols // sub).tolist())) == 1  # one sub-block per step
+                left = canvas[i, b * block: b * block + int(cols[0]) // sub * sub]
+                assert (left != MASK).all()  # every sub-block to its left is finished
+                parallel.append(len(cols))
+
+    out = gen(model, prompts, block=block, tau=0.7, max_new=32, sub_block=sub, on_step=check)
+    assert max(parallel) == 2  # both positions of a sub-block committed in one step happened
+    for steps in out.steps:  # the step map says the same: sub-block k finishes before k + 1 starts
+        for lo in range(0, len(steps), sub):
+            here, after = [s for s in steps[lo:lo + sub] if s >= 0], [s for s in steps[lo + sub:(lo // block + 1) * block] if s >= 0]
+            assert not here or not after or max(here) < min(after)
+
+
+@pytest.mark.parametrize("sub_block", [0, 2])
+def test_replayed_logits_equal_the_decoders_logits_at_commit_time(attn, sub_block):
     model = tiny(attn, sharpen=30.0)
     prompts = random_prompts(2, 5, 12)
     seen = {}
@@ -73,7 +97,7 @@ def test_replayed_logits_equal_the_decoders_logits_at_commit_time(attn):
         for i, j in commit.nonzero().tolist():
             seen[(i, b * 4 + j)] = pred[i, j].clone()
 
-    out = gen(model, prompts, block=4, tau=0.7, on_step=record)
+    out = gen(model, prompts, block=4, tau=0.7, on_step=record, sub_block=sub_block)
     keep = [len(t) for t in out.tokens]
     parts = list(replay_chunks(model, prompts, out.canvas, out.steps, 4, MASK, keep, pad_id=PAD, max_rows=3))
     logits, order = torch.cat([lg for lg, _ in parts]), [o for _, od in parts for o in od]

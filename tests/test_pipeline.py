@@ -30,7 +30,7 @@ def run_pipeline(root, tokenizer):
                        "--batch-size", "2", "--max-new", "32"])
     cft.main(common + ["--init", str(out / "sft"), "--out", str(out / "naive"), "--epochs", "0", "--block", "8"])
     cft.main(common + ["--init", str(out / "sft"), "--out", str(out / "cft"), "--steps", "1", "--block", "8",
-                       "--batch-size", "1", "--eval-every", "1"])
+                       "--batch-size", "1", "--eval-every", "1", "--sub-block", "4"])  # opd and rl inherit the sub-block
     opd.main(common + ["--init", str(out / "cft"), "--teacher", str(out / "sft"), "--out", str(out / "opd"),
                        "--steps", "1", "--prompts-per-step", "1", "--group", "2", "--kl-n", "2"])
     rl.main(common + ["--init", str(out / "opd"), "--out", str(out / "rl"), "--steps", "1", "--prompts-per-step", "1",
@@ -54,9 +54,11 @@ def check_outputs(d, out):
         assert len(preds) == m["n"] and {"id", "candidates", "target", "response", "parsed", "validity"} <= set(preds[0])
         stage_info = json.loads((out / stage / "stage.json").read_text())
         assert stage_info["stage"] == stage and (stage == "sft") == (stage_info["block_size"] is None)
+        assert stage_info.get("sub_block") == {"sft": None, "naive": 0}.get(stage, 4), stage
     res = json.loads((out / "results.json").read_text())
     assert [r["name"] for r in res["table1"]][:2] == ["retriever floor", "AR re-ranker (GR2)"] and len(res["table1"]) == 6
     assert {"decoder", "tau", "batch", "recall@1", "valid_rate", "tokens_per_s", "tokens_per_forward", "speedup"} <= set(res["table2"][0])
+    assert [r["sub_block"] for r in res["table2"] if r["decoder"] == "diffusion"] == [4, 4]  # the final checkpoint's decoder
     ladder = res["table1b_tau0.9"]  # floor, CFT, OPD, RL, paired on the same examples at tau = 0.9
     assert [r["stage"] for r in ladder] == ["floor", "cft", "opd", "rl"] and "delta_recall@1_vs_prev" in ladder[-1]
     assert all(r["tokens_per_forward"] > 0 for r in ladder[1:])
@@ -66,6 +68,19 @@ def check_outputs(d, out):
 
 def test_word_tokenizer_pipeline_writes_every_output(word_run):
     check_outputs(*word_run)
+
+
+def test_report_can_decode_every_diffusion_stage_with_another_sub_block(word_run):
+    d, out = word_run
+    before = (out / "results.json").read_text()
+    metrics.report(out, d, bench_n=2, batch_sizes=(1,), taus=(0.9,), sub_block=0)
+    res = json.loads((out / "results_sub0.json").read_text())
+    assert [r["sub_block"] for r in res["table2"] if r["decoder"] == "diffusion"] == [0]
+    for stage in ("cft", "opd", "rl"):  # trained with sub-block 4: decoded afresh with 0, on the same examples
+        fresh = metrics.read_jsonl(out / "report" / f"{stage}_sub0_predictions.jsonl")
+        assert [p["id"] for p in fresh] == [p["id"] for p in metrics.read_jsonl(out / stage / "predictions.jsonl")]
+    assert not (out / "report" / "naive_sub0_predictions.jsonl").exists()  # naive already decodes with 0: its own file
+    assert (out / "results.json").read_text() == before and (out / "results_sub0.md").exists()
 
 
 def test_naive_conversion_keeps_every_ar_weight(word_run):
