@@ -45,7 +45,7 @@ def parse_args(argv=None):
     ap.add_argument("--block", type=int, default=32, help="block size B")  # [diffusion]
     ap.add_argument("--sub-block", type=int, default=0,  # [diffusion] assumption: 0, the paper's decoder (Fast-dLLM v2: 8)
                     help="decode: commit only inside the leftmost sub-block of this size with masks (0 = anywhere in the block); "
-                         "saved with the checkpoint, inherited by opd.py and rl.py"),
+                         "saved with the checkpoint, inherited by opd.py and rl.py")
     ap.add_argument("--t-min", type=float, default=0.02, help="lowest noise level (assumption: U(t_min, t_max))")
     ap.add_argument("--t-max", type=float, default=0.98, help="highest noise level")
     ap.add_argument("--noise-per", choices=["block", "sequence"], default="block",
@@ -54,7 +54,10 @@ def parse_args(argv=None):
     ap.add_argument("--no-complementary", action="store_true",
                     help="do not also train each row with the inverted mask (assumption: complementary masks on)")
     add_common_args(ap, steps=0, batch_size=16, lr=7e-4, warmup=50, eval_every=150, val_n=100)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if not 0 <= args.sub_block <= args.block:
+        ap.error(f"--sub-block must be between 0 (off) and --block {args.block}, got {args.sub_block}")
+    return args
 
 
 def convert(init, attn, dtype):  # [diffusion]

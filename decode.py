@@ -145,6 +145,8 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
     (Fast-dLLM v2's small blocks); 0 lets any masked position of the block be committed.
     on_step(block, step, canvas, committed, logits) is called after every step (viewer, tests).
     """
+    if not 0 <= sub_block <= block:
+        raise ValueError(f"sub_block must be between 0 (off) and the block size {block}, got {sub_block}")
     B, n_blocks = len(prompts), -(-max_new // block)
     state = CachedModel(model, prompts, pad_id)
     dev = model.device  # the decoding state lives where the model does

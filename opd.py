@@ -161,7 +161,7 @@ def main(argv=None):
     teacher_preds = metrics.read_jsonl(f"{args.teacher}/predictions.jsonl")
     result["kl_to_teacher"] = {"init": state["kl_init"],
                                "final": test_kl(student, teacher, tok, kl_examples, block, max_new, 16, sub)}
-    result["teacher_agreement"] = {
+    result["teacher_agreement"] = {  # init: the parent's own test answers (decoded with the parent's sub-block)
         "init": metrics.agreement(metrics.read_jsonl(f"{args.init}/predictions.jsonl"), teacher_preds),
         "final": metrics.agreement(metrics.read_jsonl(out / "predictions.jsonl"), teacher_preds)}
     metrics.write_atomic(out / "metrics.json", json.dumps(result, indent=2))

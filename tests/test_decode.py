@@ -126,3 +126,13 @@ def test_viewer_highlights_exactly_the_tokens_committed_at_each_step(capsys):
     for line in steps:
         head, shown = line.split(": ", 1)
         assert sum(w.startswith("*") for w in shown.split()) == int(head.split("+")[1])
+
+
+@pytest.mark.parametrize("sub_block", [-1, 5])
+def test_a_sub_block_outside_the_block_is_refused(sub_block, capsys):
+    import cft
+    with pytest.raises(ValueError, match="sub_block must be between 0"):
+        gen(tiny(), random_prompts(1), block=4, tau=0.9, sub_block=sub_block)
+    with pytest.raises(SystemExit):
+        cft.parse_args(["--block", "4", "--sub-block", str(sub_block)])
+    assert "--sub-block must be between 0" in capsys.readouterr().err
