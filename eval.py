@@ -289,12 +289,13 @@ def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu", 
     sub_block (not None) decodes a diffusion stage with that sub-block instead of the checkpoint's own."""
     import json
     name = "predictions.jsonl" if tau == 1.0 else f"predictions_tau{tau}.jsonl"
-    st = json.loads((Path(run) / stage / "stage.json").read_text())
+    stage_json = Path(run) / stage / "stage.json"
+    st = json.loads(stage_json.read_text())
     own = not st.get("block_size") or sub_block is None or sub_block == st.get("sub_block", 0)
     sub_block = st.get("sub_block", 0) if sub_block is None else sub_block
     fresh = Path(run) / "report" / (f"{stage}_{name}" if own else f"{stage}_sub{sub_block}_{name}")
     for path in ((Path(run) / stage / name, fresh) if own else (fresh,)):  # the stage's own file, or an earlier report's
-        if path.exists():
+        if path.exists() and (path != fresh or path.stat().st_mtime >= stage_json.stat().st_mtime):  # not older than the checkpoint
             by_id = {p["id"]: p for p in read_jsonl(path)}
             if all(ex["id"] in by_id for ex in examples):  # it covers these examples (maybe more)
                 return [by_id[ex["id"]] for ex in examples]

@@ -83,6 +83,24 @@ def test_report_can_decode_every_diffusion_stage_with_another_sub_block(word_run
     assert (out / "results.json").read_text() == before and (out / "results_sub0.md").exists()
 
 
+def test_report_never_reuses_a_decode_older_than_the_checkpoint(word_run):
+    import os
+    from transformers import AutoTokenizer
+    d, out = word_run
+    test, sid_of = data.load_split(d, "test")
+    tok = AutoTokenizer.from_pretrained(d / "tokenizer")
+    decode = lambda: metrics.stage_predictions(out, "cft", test, sid_of, tok, 1.0, sub_block=2)
+    decode()
+    cache = out / "report" / "cft_sub2_predictions.jsonl"
+    recs = metrics.read_jsonl(cache)
+    recs[0]["response"] = "stale"
+    cache.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert decode()[0]["response"] == "stale"  # newer than the checkpoint: reused
+    t = cache.stat().st_mtime + 10
+    os.utime(out / "cft" / "stage.json", (t, t))  # the checkpoint was saved again after that decode
+    assert decode()[0]["response"] != "stale"
+
+
 def test_naive_conversion_keeps_every_ar_weight(word_run):
     _, out = word_run
     ar, tok, _ = load_checkpoint(out / "sft")
