@@ -13,8 +13,8 @@ being denoised), then for every masked position, with token shift,
 A committed token is never re-masked. tau = 1.0 commits exactly one token per forward (a float32
 softmax can return exactly 1.0, so it is a special case, not a `>=` test). With sub-blocks (Fast-dLLM
 v2; a checkpoint's `sub_block`, 0 = off) only the leftmost sub-block that still has masks may commit:
-the block is still run whole, but it is filled a few positions at a time, left to right. When the block has no
-masks left it is run once more to write its K/V into the cache (the commit forward); its last logit
+the block is still run whole, but it is filled a few positions at a time, left to right. When the
+block has no masks left it is run once more to write its K/V into the cache (the commit forward); its last logit
 predicts the next block's first token. A row stops as soon as its end token is committed with every
 position before it filled. Batched: left-padded prompts, each row commits its own positions.
 
