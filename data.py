@@ -37,6 +37,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -237,7 +238,9 @@ def item_embeddings(items, dim=64, max_vocab=4096, seed=0):
     """TF-IDF of title + category words, reduced to `dim` dimensions by a (seeded) randomized SVD."""
     docs = [words(it["title"]) + [w for path in it["categories"] for c in path for w in words(c)] for it in items]
     df = Counter(w for d in docs for w in set(d))
-    vocab = {w: j for j, (w, _) in enumerate(df.most_common(max_vocab))}
+    # Columns by document frequency, ties alphabetical: never by set order, which changes with PYTHONHASHSEED
+    # (and with it the SVD, the k-means and every SID).
+    vocab = {w: j for j, w in enumerate(sorted(df, key=lambda w: (-df[w], w))[:max_vocab])}
     X = torch.zeros(len(docs), len(vocab))
     for i, d in enumerate(docs):
         for w, c in Counter(d).items():
@@ -312,7 +315,9 @@ class CoocRetriever:
         C = torch.sparse_coo_tensor(torch.tensor([rows, cols]), torch.tensor(vals, dtype=torch.float64),
                                     (self.n, self.n)).coalesce()
         self.count = torch.bincount(torch.tensor([i for s in train_seqs for i in s]), minlength=self.n).double()
-        self.CT = C.t().coalesce().to_sparse_csr()  # (to, from): scores = CT @ history weights
+        with warnings.catch_warnings():  # CSR is the fast layout for sparse @ dense on CPU; torch calls it beta
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+            self.CT = C.t().coalesce().to_sparse_csr()  # (to, from): scores = CT @ history weights
         self.norm = self.count.clamp_min(1) ** self.pop_alpha
         return self
 

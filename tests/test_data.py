@@ -1,6 +1,9 @@
 """data.py: the protocol (no leakage), SIDs, traces, determinism, readers and bad input."""
 import gzip
 import json
+import os
+import subprocess
+import sys
 from argparse import Namespace
 from pathlib import Path
 
@@ -9,6 +12,8 @@ import pytest
 import data
 import eval as metrics
 from conftest import SHARED
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def build(tmp_path, raw=None, seed=0, users=300, ranking="sid"):
@@ -108,6 +113,15 @@ def test_same_seed_same_data(tmp_path):
     a, b = build(tmp_path, seed=3, users=150), build(tmp_path, seed=3, users=150)
     assert a[0] == b[0] and a[2] == b[2]
     assert build(tmp_path, seed=4, users=150)[0]["train"] != a[0]["train"]
+
+
+def test_semantic_ids_do_not_depend_on_the_hash_seed():
+    """Python randomises string hashing per process: set order must never reach the SIDs."""
+    code = ("import data; items, _ = data.make_synthetic(n_users=10); "
+            "print(data.semantic_ids(items, 16).tolist())")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
+    assert runs[0] and runs[0] == runs[1]
 
 
 def write_lines(path, lines):
