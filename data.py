@@ -313,7 +313,7 @@ class CoocRetriever:
     def fit(self, train_seqs):
         rows, cols, vals = zip(*[t for s in train_seqs for t in self.pair_weights(s)])
         C = torch.sparse_coo_tensor(torch.tensor([rows, cols]), torch.tensor(vals, dtype=torch.float64),
-                                    (self.n, self.n)).coalesce()
+                                    (self.n, self.n), check_invariants=True).coalesce()  # cheap at this size
         self.count = torch.bincount(torch.tensor([i for s in train_seqs for i in s]), minlength=self.n).double()
         with warnings.catch_warnings():  # CSR is the fast layout for sparse @ dense on CPU; torch calls it beta
             warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
