@@ -436,7 +436,7 @@ def plot_masks(path, prompt=3, response=8, block=4):
               f"decoding: block-causal; block {active} denoised against the cache"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 6), gridspec_kw={"width_ratios": [1.5, 1]})
     for ax, m, n, title in zip(axes, masks, names, titles):
-        ax.imshow(m, cmap="YlGnBu", vmin=0, vmax=2.3)
+        ax.imshow(m.numpy(), cmap="YlGnBu", vmin=0, vmax=2.3)  # numpy: matplotlib warns on tensors
         ax.set_xticks(range(len(n)), n, rotation=90, fontsize=7)
         ax.set_yticks(range(len(n)), n, fontsize=7)
         ax.set_title(title, fontsize=10)
