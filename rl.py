@@ -14,8 +14,10 @@ A diffusion policy has no left-to-right factorisation, so log pi(y_i) is read at
 committed from: the decoder's step map, replayed by decode.replay_chunks (the same function as OPD).
 `--policy ar` trains the AR re-ranker the same way with exact causal log-probabilities, as GR2 did.
 Watch the identity rate (answers that copy the retriever order): the reward-hacking signal.
+The checkpoint kept is the one with the best held-out reward, the starting weights (step 0) included:
+a run in which RL only hurts ships what it was given and says so (`--trained-only` never keeps step 0).
 
-    python rl.py --data data/synthetic --init out/opd --out out/rl                 # CPU (~20 min)
+    python rl.py --data data/synthetic --init out/opd --out out/rl                 # CPU (~30 min)
     python rl.py --data data/synthetic --init out/sft --out out/rl-ar --policy ar  # GR2's AR RL
     python rl.py --data data/synthetic-qwen3 --init out/opd-qwen --out out/rl-qwen \\
         --dtype bf16-mixed --device cuda --prompts-per-step 16 --lr 5e-7 --steps 600   # one GPU
@@ -41,7 +43,8 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="out/rl", help="checkpoint folder to write")
     ap.add_argument("--policy", choices=["diffusion", "ar"], default="diffusion", help="decode and score as which model")
     ap.add_argument("--group", type=int, default=8, help="G: rollouts per prompt")
-    ap.add_argument("--prompts-per-step", type=int, default=4, help="prompts per step")
+    ap.add_argument("--prompts-per-step", type=int, default=16,  # assumption: 16 x 8 rollouts; 4 x 8 only added noise
+                    help="prompts per step (G rollouts each)")
     ap.add_argument("--tau", type=float, default=0.9, help="commit threshold of the rollouts (diffusion)")
     ap.add_argument("--sub-block", type=int, default=None,  # [diffusion]
                     help="decode with sub-blocks of this size (0 = commit anywhere in the block; default: the parent checkpoint's)")
@@ -50,7 +53,9 @@ def parse_args(argv=None):
     ap.add_argument("--updates", type=int, default=1, help="optimizer steps per batch of rollouts (mu)")
     ap.add_argument("--chunk", type=int, default=8, help="rollouts scored together (memory, not maths)")
     ap.add_argument("--rows", type=int, default=64, help="replayed canvases per backward pass (memory, not maths)")
-    add_common_args(ap, steps=60, batch_size=0, lr=5e-5, warmup=5, eval_every=20, val_n=200)
+    ap.add_argument("--trained-only", action="store_true",  # assumption: off, the starting weights compete
+                    help="keep the best of RL's own checkpoints even when the starting weights had a higher held-out reward")
+    add_common_args(ap, steps=15, batch_size=0, lr=5e-5, warmup=2, eval_every=5, val_n=200)
     return ap.parse_args(argv)
 
 
@@ -115,6 +120,8 @@ def main(argv=None):
     if start == 0:
         rec = log(step=0, minutes=0.0, **held_out())
         print(f"before RL: held-out reward {rec['val_reward']:.4f}, valid {rec['val_valid_rate']:.3f}, R@1 {rec['val_recall1']:.3f}")
+        if not args.trained_only:  # a checkpoint must beat the weights RL started from to be shipped
+            best = keep_best(out, model, tok, stage, opt, 0, dict(rec), rec["val_reward"], best, t0)
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="rl", dynamic_ncols=True)
     for step in bar:
         examples = [train[i] for i in data.batch_indices(step, len(train), args.prompts_per_step, args.seed)
@@ -167,6 +174,8 @@ def main(argv=None):
         log(**rec)
 
     model, tok, stage = load_best(out, args, "RL", t0)
+    if stage["step"] == 0:
+        print(f"no RL checkpoint beat the starting weights on held-out reward: {out} holds {args.init}'s weights")
     return metrics.run_test(out, model, tok, test, sid, mode, block, max_new, args.eval_batch,
                            TAUS if mode == "diffusion" else (), args.tau_n, sub)
 

@@ -33,7 +33,7 @@ if [ "$QUICK" = 1 ]; then
   # Models this brief never learn to stop, so every decode runs to its budget: --max-new 64 (inherited by every
   # later stage) keeps the decoding short. No answer fits in 64 tokens: every row is invalid, as the mechanics demo it is.
   SFT="--steps 40 --eval-every 20 --val-n 16 --max-new 64"; CFT="--epochs 0.1 --eval-every 20 --val-n 16 --tau-n 16"
-  OPD="--steps 4 --eval-every 4 --val-n 16 --kl-n 16 --tau-n 16"; RL="--steps 4 --eval-every 4 --val-n 16 --tau-n 16"; REPORT="--bench-n 8"
+  OPD="--steps 4 --eval-every 4 --val-n 16 --kl-n 16 --tau-n 16"; RL="--steps 4 --eval-every 4 --prompts-per-step 4 --val-n 16 --tau-n 16"; REPORT="--bench-n 8"
 else
   OUT="${OUT:-out}"; DATA_ARGS=""; SFT=""; CFT=""; OPD=""; RL=""; REPORT=""
 fi
@@ -43,7 +43,7 @@ if [ "$SOURCE" = beauty ] && [ "$QUICK" = 0 ]; then
   # traces longer, so a step costs ~2x more. A seeded 500-example test subset; every stage much shorter
   # than the synthetic default (under-trained: see the README). With a GPU, give each stage more steps.
   DATA_ARGS="$DATA_ARGS --max-eval 500"; SFT="--steps 1300 --eval-every 250"; CFT="--steps 200 --eval-every 100 --val-n 50 --tau-n 100"
-  OPD="--steps 20 --eval-every 10"; RL="--steps 15 --eval-every 5"
+  OPD="--steps 20 --eval-every 10"; RL="--steps 15 --eval-every 5 --prompts-per-step 4"
 fi
 
 stage() {  # stage NAME COMMAND...: run unless NAME already finished

@@ -146,3 +146,20 @@ def test_qwen3_tokenizer_pipeline(tmp_path):
     check_outputs(d, out)
     _, tok, _ = load_checkpoint(out / "rl")
     assert tok.mask_token_id == 151669 and len(tok) > 151669
+
+
+def test_rl_keeps_the_starting_weights_unless_a_checkpoint_beats_them(word_run, tmp_path):
+    d, out = word_run
+    args = ["--data", str(d), "--init", str(out / "opd"), "--val-n", "2", "--eval-batch", "4", "--steps", "2",
+            "--eval-every", "1", "--prompts-per-step", "1", "--group", "2", "--test-n", "2"]
+    start = load_checkpoint(out / "opd")[0].state_dict()
+    for flag, where in (([], "all"), (["--trained-only"], "trained")):
+        rl.main(args + flag + ["--out", str(tmp_path / where)])
+        rewards = {r["step"]: r["val_reward"] for r in metrics.read_jsonl(tmp_path / where / "log.jsonl") if "val_reward" in r}
+        kept = json.loads((tmp_path / where / "stage.json").read_text())["step"]
+        candidates = sorted(rewards) if where == "all" else [s for s in sorted(rewards) if s > 0]
+        assert kept == max(candidates, key=lambda s: (rewards[s], -s))  # the best held-out reward, the earliest of ties
+        if kept == 0:  # shipped unchanged
+            weights = load_checkpoint(tmp_path / where)[0].state_dict()
+            assert all(torch.equal(start[k], weights[k]) for k in start)
+    assert kept > 0
