@@ -13,7 +13,9 @@ answer, weighted lambda_r / lambda_o), in the noisy + clean layout with token sh
     L_CFT = E_{t_b ~ U(t_min, t_max), x_t ~ q(x_t | x_0, t)} [ sum_{masked i} w_i c_i (-log p(x0_i | x_t, x0_<block)) / sum w_i ]
 
 No constrained decoder anywhere: the valid permutations must come from the model. Validation uses the
-real block-diffusion decoder at tau = 1.0 and tau = 0.9.
+real block-diffusion decoder at tau = 1.0 and tau = 0.9. `--commit prefix` decodes left to right (the
+leftmost mask and the confident run after it, decode.py), and `--noise-shape suffix` then trains on just
+the canvases that rule decodes from: the last t * B positions of each block masked.
 
     python cft.py --data data/synthetic --init out/sft --out out/naive --epochs 0    # the naive row
     python cft.py --data data/synthetic --init out/sft --out out/cft                  # CPU (~40 min)
@@ -29,7 +31,7 @@ from tqdm import tqdm
 
 import data
 import eval as metrics
-from decode import validate
+from decode import COMMIT_RULES, validate
 from model import (Log, add_common_args, diffusion_loss, init_mask_embedding, keep_best, load_best,
                    load_checkpoint, lr_at, resume, save_checkpoint, setup)
 
@@ -50,9 +52,15 @@ def parse_args(argv=None):
     ap.add_argument("--t-max", type=float, default=0.98, help="highest noise level")
     ap.add_argument("--noise-per", choices=["block", "sequence"], default="block",
                     help="one noise level per block (BD3-LM, Fast-dLLM v2) or per response (assumption: block)")
+    ap.add_argument("--noise-shape", choices=["random", "suffix"], default="random",  # [diffusion] assumption: random
+                    help="which tokens of a block a noise level t masks: each with probability t (random, the paper's "
+                         "masked diffusion) or the last t * block (suffix: the canvases the prefix commit rule decodes from)")
     ap.add_argument("--inv-t", action="store_true", help="weight each target by 1/t (assumption: off, as Fast-dLLM v2)")
     ap.add_argument("--no-complementary", action="store_true",
                     help="do not also train each row with the inverted mask (assumption: complementary masks on)")
+    ap.add_argument("--commit", choices=COMMIT_RULES, default="any",  # [diffusion] assumption: any, the paper's decoder
+                    help="decode: which confident positions a step commits: any (METHOD.md 5) or prefix (the leftmost mask "
+                         "and the confident run after it, left to right); saved with the checkpoint, inherited like --sub-block")
     add_common_args(ap, steps=0, batch_size=16, lr=7e-4, warmup=50, eval_every=150, val_n=100)
     args = ap.parse_args(argv)
     if not 0 <= args.sub_block <= args.block:
@@ -77,12 +85,13 @@ def main(argv=None):
     model, tok, parent = convert(args.init, args.attn, args.dtype)
     model.to(args.device)
     max_new = max(parent["max_new"], args.block * math.ceil(parent["max_new"] / args.block))
-    stage = {"stage": "cft" if args.epochs else "naive", "parent": str(args.init), "block_size": args.block, "sub_block": args.sub_block,
+    dec = {"sub_block": args.sub_block, "commit": args.commit}  # [diffusion] the decoder every later stage inherits
+    stage = {"stage": "cft" if args.epochs else "naive", "parent": str(args.init), "block_size": args.block, **dec,
              "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
     if args.epochs == 0:  # the naive conversion: no training at all
         save_checkpoint(out, model, tok, {**stage, "step": 0})
         return metrics.run_test(out, model, tok, test, sid, "diffusion", args.block, max_new, args.eval_batch, TAUS, args.tau_n,
-                                args.sub_block)
+                                **dec)
 
     steps = args.steps or max(1, round(args.epochs * len(train) / args.batch_size))
     print(f"CFT: {len(train)} traces x {args.epochs} epochs = {steps} steps of {args.batch_size} "
@@ -92,7 +101,7 @@ def main(argv=None):
     best, log = state.get("best", -1.0), Log(out, fresh=start == 0)
     t0, losses = time.time() - state.get("elapsed", 0.0), []
     if start == 0:  # the curve starts at the naive conversion
-        log(step=0, minutes=0.0, **validate(model, tok, valid, sid, "diffusion", args.block, max_new, args.eval_batch, args.sub_block)[0])
+        log(step=0, minutes=0.0, **validate(model, tok, valid, sid, "diffusion", args.block, max_new, args.eval_batch, **dec)[0])
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="cft", dynamic_ncols=True)
     for step in bar:
         model.train()
@@ -102,7 +111,8 @@ def main(argv=None):
         noise = torch.Generator().manual_seed(args.seed * 100003 + step)  # resumable: the noise depends on the step
         loss, n_scored = diffusion_loss(model, batch, args.block, tok.mask_token_id, tok.eos_token_id,  # [diffusion]
                                         args.lambda_r, args.lambda_o, (args.t_min, args.t_max), args.noise_per,
-                                        args.inv_t, not args.no_complementary, pad_id=tok.pad_token_id, generator=noise)
+                                        args.inv_t, not args.no_complementary, pad_id=tok.pad_token_id, generator=noise,
+                                        noise_shape=args.noise_shape)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -110,7 +120,7 @@ def main(argv=None):
         losses.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
         if (step + 1) % args.eval_every == 0 or step + 1 == steps:
-            val, _ = validate(model, tok, valid, sid, "diffusion", args.block, max_new, args.eval_batch, args.sub_block)
+            val, _ = validate(model, tok, valid, sid, "diffusion", args.block, max_new, args.eval_batch, **dec)
             rec = log(step=step + 1, minutes=(time.time() - t0) / 60, loss=sum(losses) / len(losses), **val)
             losses = []
             tqdm.write(f"step {rec['step']:5d} | {rec['minutes']:5.1f} min | loss {rec['loss']:.4f} | tau=1.0 valid "
@@ -122,7 +132,7 @@ def main(argv=None):
 
     model, tok, stage = load_best(out, args, "CFT", t0)
     return metrics.run_test(out, model, tok, test, sid, "diffusion", args.block, max_new, args.eval_batch, TAUS, args.tau_n,
-                            args.sub_block)
+                            **dec)
 
 
 if __name__ == "__main__":

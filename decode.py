@@ -13,7 +13,11 @@ being denoised), then for every masked position, with token shift,
 A committed token is never re-masked. tau = 1.0 commits exactly one token per forward (a float32
 softmax can return exactly 1.0, so it is a special case, not a `>=` test). With sub-blocks (Fast-dLLM
 v2; a checkpoint's `sub_block`, 0 = off) only the leftmost sub-block that still has masks may commit:
-the block is still run whole, but it is filled a few positions at a time, left to right. When the
+the block is still run whole, but it is filled a few positions at a time, left to right. With the
+*prefix* commit rule (a checkpoint's `commit`, "any" = the paper's rule) a position may only be committed
+together with every masked position to its left: each step commits the leftmost mask and the unbroken
+run of confident positions after it, so the block fills strictly left to right, several tokens per
+forward where the model is sure (tau = 1.0: one token per forward, in AR order). When the
 block has no masks left it is run once more to write its K/V into the cache (the commit forward); its last logit
 predicts the next block's first token. A row stops as soon as its end token is committed with every
 position before it filled. Batched: left-padded prompts, each row commits its own positions.
@@ -38,6 +42,9 @@ from transformers import DynamicCache
 import eval as metrics
 from model import (CLEAN, PAD, PROMPT, attention_mask, build_rows, compute, for_attention, gather_logits,
                    hidden_states, load_checkpoint, target_sources)
+
+
+COMMIT_RULES = ("any", "prefix")  # [diffusion] which confident positions a step may commit (docstring)
 
 
 @dataclass
@@ -137,16 +144,20 @@ def ar_generate(model, prompts, max_new, eos_id, pad_id, temperature=0.0, genera
 
 @torch.no_grad()
 def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad_id, temperature=0.0,
-                       generator=None, use_cache=True, on_step=None, sub_block=0):  # [diffusion]
+                       generator=None, use_cache=True, on_step=None, sub_block=0, commit="any"):  # [diffusion]
     """Block-diffusion decoding (module docstring). Returns a Rollout with canvas, step map and NFE.
 
     use_cache=False recomputes the whole sequence at every step (the reference the cache must match).
     sub_block > 0 only commits inside the leftmost sub-block of that size that still has masks
     (Fast-dLLM v2's small blocks); 0 lets any masked position of the block be committed.
+    commit="prefix" commits the leftmost mask and the run of positions >= tau right after it (module
+    docstring); "any" commits every position >= tau and at least the most confident one (METHOD.md 5).
     on_step(block, step, canvas, committed, logits) is called after every step (viewer, tests).
     """
     if not 0 <= sub_block <= block:
         raise ValueError(f"sub_block must be between 0 (off) and the block size {block}, got {sub_block}")
+    if commit not in COMMIT_RULES:
+        raise ValueError(f"commit must be one of {COMMIT_RULES}, got {commit!r}")
     B, n_blocks = len(prompts), -(-max_new // block)
     state = CachedModel(model, prompts, pad_id)
     dev = model.device  # the decoding state lives where the model does
@@ -176,13 +187,19 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
                 first = masked.float().argmax(1, keepdim=True) // sub_block
                 masked = masked & (torch.arange(block, device=dev)[None] // sub_block == first)
             conf = torch.where(masked, conf, -1.0)
-            commit = (conf >= tau) & masked if tau < 1.0 else torch.zeros_like(masked)
-            commit[torch.arange(B, device=dev), conf.argmax(1)] |= masked.any(1)  # at least the most confident one
-            canvas[:, lo:hi] = torch.where(commit, tok, canvas[:, lo:hi])
-            steps[:, lo:hi] = torch.where(commit, s, steps[:, lo:hi])
+            sure = (conf >= tau) & masked if tau < 1.0 else torch.zeros_like(masked)
+            rows = torch.arange(B, device=dev)
+            if commit == "prefix":  # the leftmost mask, then positions while they are sure: (B, block)
+                sure[rows, masked.float().argmax(1)] |= masked.any(1)
+                chosen = masked & ((sure | ~masked).long().cumprod(1) == 1)  # masks are a suffix here
+            else:
+                chosen = sure
+                chosen[rows, conf.argmax(1)] |= masked.any(1)  # at least the most confident one
+            canvas[:, lo:hi] = torch.where(chosen, tok, canvas[:, lo:hi])
+            steps[:, lo:hi] = torch.where(chosen, s, steps[:, lo:hi])
             done |= finished(canvas[:, :hi], mask_id, eos_id)
             if on_step:
-                on_step(b, s, canvas[:, :hi], commit, pred)
+                on_step(b, s, canvas[:, :hi], chosen, pred)
         if done.all() or b == n_blocks - 1:
             break
         if use_cache:
@@ -245,9 +262,24 @@ def replay_chunks(model, prompts, canvases, steps, block, mask_id, keep, pad_id=
         yield gather_logits(model, hidden_states(model, rows), (b, src[b, r])), order
 
 
+def add_decoder_args(ap):  # [diffusion]
+    """--sub-block and --commit of a stage that starts from a diffusion checkpoint (None: inherit the parent's)."""
+    ap.add_argument("--sub-block", type=int, default=None,
+                    help="decode with sub-blocks of this size (0 = commit anywhere in the block; default: the parent checkpoint's)")
+    ap.add_argument("--commit", choices=COMMIT_RULES, default=None,
+                    help="which confident positions a decoding step commits: any (the paper's rule) or prefix (the "
+                         "leftmost mask and the confident run after it); default: the parent checkpoint's")
+
+
+def inherited_decoder(parent, args):  # [diffusion]
+    """The decoder settings a stage uses (and saves): the parent checkpoint's, unless a flag overrides them."""
+    return {"sub_block": parent.get("sub_block", 0) if args.sub_block is None else args.sub_block,
+            "commit": parent.get("commit", "any") if args.commit is None else args.commit}
+
+
 # ----------------------------------------------------------------------------- decode and score a split
 def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_size=32, temperature=0.0,
-             generator=None, progress=False, sub_block=0):
+             generator=None, progress=False, sub_block=0, commit="any"):
     """Decode `prompts` in length-sorted batches; returns a Rollout in the input order and the seconds taken."""
     from tqdm import tqdm
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -260,7 +292,7 @@ def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_si
             out = ar_generate(model, batch, max_new, tok.eos_token_id, tok.pad_token_id, temperature, generator)
         else:
             out = diffusion_generate(model, batch, block, tau, max_new, tok.mask_token_id, tok.eos_token_id,
-                                     tok.pad_token_id, temperature, generator, sub_block=sub_block)
+                                     tok.pad_token_id, temperature, generator, sub_block=sub_block, commit=commit)
         for k, i in enumerate(idx):
             parts[i] = (out.tokens[k], out.canvas[k] if out.canvas else None, out.steps[k] if out.steps else None, out.nfe[k])
     seconds = time.perf_counter() - t0
@@ -269,11 +301,12 @@ def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_si
 
 
 @torch.no_grad()
-def evaluate(model, tok, examples, sid, mode, block=32, tau=1.0, max_new=256, batch_size=32, progress=False, sub_block=0):
+def evaluate(model, tok, examples, sid, mode, block=32, tau=1.0, max_new=256, batch_size=32, progress=False, sub_block=0,
+             commit="any"):
     """Decode `examples` greedily and score them: (summary dict, per-example rows, texts, rollout)."""
     model.eval()
     out, seconds = generate(model, tok, [ex["prompt_ids"] for ex in examples], mode, block, tau, max_new,
-                            batch_size, progress=progress, sub_block=sub_block)
+                            batch_size, progress=progress, sub_block=sub_block, commit=commit)
     texts = [tok.decode(t, skip_special_tokens=False) for t in out.tokens]
     rows = metrics.score_responses(texts, examples, sid)
     summary = metrics.summarize(rows)
@@ -283,15 +316,15 @@ def evaluate(model, tok, examples, sid, mode, block=32, tau=1.0, max_new=256, ba
     return summary, rows, texts, out
 
 
-def validate(model, tok, valid, sid, mode, block, max_new, batch, sub_block=0):
+def validate(model, tok, valid, sid, mode, block, max_new, batch, sub_block=0, commit="any"):
     """The training-time check: valid rate and Recall@1 of greedy decoding (and, for diffusion, at tau = 0.9).
 
     Returns the numbers and the tau = 1.0 / AR responses (rl.py scores its held-out reward on them).
     """
-    q, _, texts, _ = evaluate(model, tok, valid, sid, mode, block, 1.0, max_new, batch, sub_block=sub_block)
+    q, _, texts, _ = evaluate(model, tok, valid, sid, mode, block, 1.0, max_new, batch, sub_block=sub_block, commit=commit)
     res = {"val_valid_rate": q["valid_rate"], "val_recall1": q["recall@1"]}
     if mode == "diffusion":
-        f, *_ = evaluate(model, tok, valid, sid, mode, block, 0.9, max_new, batch, sub_block=sub_block)
+        f, *_ = evaluate(model, tok, valid, sid, mode, block, 0.9, max_new, batch, sub_block=sub_block, commit=commit)
         res.update({"val_valid_rate_0.9": f["valid_rate"], "val_recall1_0.9": f["recall@1"],
                     "val_tokens_per_forward_0.9": f["tokens_per_forward"]})
     return res, texts
@@ -313,7 +346,8 @@ def forward_cost_ratio(model, prompt, block, repeats=20):
     return times[block] / times[1]
 
 
-def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, max_new, log=print, sub_blocks=(0,)):
+def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, max_new, log=print, sub_blocks=(0,),
+          commit="any"):
     """Decode the same prompts with AR and with block diffusion at each (block, sub-block, tau), interleaved
     chunk by chunk so that every decoder sees the same machine load. Returns the rows of the speed table."""
     configs = [("ar", None, None, None)] + [("diffusion", t, b, sb) for b in blocks for sb in sub_blocks for t in taus]
@@ -324,7 +358,8 @@ def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, m
             prompts = [ex["prompt_ids"] for ex in examples[s:s + bs]]
             for c in configs:  # interleaved: AR, then every tau, on this chunk
                 model = ar_model if c[0] == "ar" else diff_model
-                out, sec = generate(model, tok, prompts, c[0], c[2] or 32, c[1] or 1.0, max_new, bs, sub_block=c[3] or 0)
+                out, sec = generate(model, tok, prompts, c[0], c[2] or 32, c[1] or 1.0, max_new, bs, sub_block=c[3] or 0,
+                                    commit=commit)
                 a = acc[c]
                 a["tokens"] += sum(map(len, out.tokens)); a["nfe"] += sum(out.nfe); a["seconds"] += sec
                 a["texts"] += [tok.decode(t) for t in out.tokens]
@@ -333,6 +368,7 @@ def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, m
             a = acc[c]
             q = metrics.summarize(metrics.score_responses(a["texts"], examples, sid))
             rows.append({"decoder": c[0], "tau": c[1], "block": c[2], "sub_block": c[3], "batch": bs, "n": len(examples),
+                         "commit": None if c[0] == "ar" else commit,
                          "tokens_per_s": a["tokens"] / a["seconds"], "tokens_per_forward": a["tokens"] / a["nfe"],
                          "speedup": a["tokens"] / a["seconds"] / ar_speed, "valid_rate": q["valid_rate"],
                          "recall@1": q["recall@1"], "ndcg@3": q["ndcg@3"], "mean_length": a["tokens"] / len(examples)})
@@ -341,14 +377,14 @@ def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, m
 
 
 def format_row(r):
-    sub = f"/{r['sub_block']}" if r.get("sub_block") else ""
+    sub = (f"/{r['sub_block']}" if r.get("sub_block") else "") + (" prefix" if r.get("commit") == "prefix" else "")
     name = "AR" if r["decoder"] == "ar" else f"diffusion B={r['block']}{sub} tau={r['tau']}"
     return (f"{name:<26} batch {r['batch']:>3} | {r['tokens_per_s']:8.1f} tok/s | {r['tokens_per_forward']:5.2f} tok/fwd | "
             f"speed-up {r['speedup']:5.2f}x | valid {r['valid_rate']:.3f} | R@1 {r['recall@1']:.3f}")
 
 
 # ----------------------------------------------------------------------------- viewer
-def show(model, tok, example, block, tau, max_new, sub_block=0):
+def show(model, tok, example, block, tau, max_new, sub_block=0, commit="any"):
     """Print one example being denoised: masks as '·', new commits highlighted, steps per block."""
     tty = sys.stdout.isatty()
     new = (lambda w: f"\033[1;32m{w}\033[0m") if tty else (lambda w: f"*{w}*")
@@ -364,7 +400,7 @@ def show(model, tok, example, block, tau, max_new, sub_block=0):
         per_block[b] = s + 1
 
     out = diffusion_generate(model, [example["prompt_ids"]], block, tau, max_new, tok.mask_token_id, tok.eos_token_id,
-                             tok.pad_token_id, on_step=on_step, sub_block=sub_block)
+                             tok.pad_token_id, on_step=on_step, sub_block=sub_block, commit=commit)
     n = len(out.tokens[0])
     print(f"\n{n} tokens in {out.nfe[0]} forwards ({n / out.nfe[0]:.2f} tokens per forward); "
           f"steps per block: {[per_block[b] for b in sorted(per_block)]}")
@@ -388,6 +424,9 @@ def main(argv=None):
     ap.add_argument("--sub-blocks", type=int, nargs="+", default=None,
                     help="sub-block sizes to decode with: commit only inside the leftmost sub-block with masks "
                          "(0 = anywhere in the block; default: the checkpoint's; --show uses the first)")
+    ap.add_argument("--commit", choices=COMMIT_RULES, default=None,
+                    help="which confident positions a step commits: any (the paper's rule) or prefix (the leftmost "
+                         "mask and the confident run after it); default: the checkpoint's")
     ap.add_argument("--json", default=None, help="write the benchmark rows here")
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
     ap.add_argument("--device", default="cpu", help="torch device")
@@ -401,7 +440,8 @@ def main(argv=None):
         model, tok, stage = load_checkpoint(args.ckpt, args.attn)
         test, _ = data.load_split(args.data, "test", args.index + 1)
         show(model.to(args.device).eval(), tok, test[args.index], args.blocks[0] if args.blocks else stage["block_size"],
-             args.tau, stage["max_new"], args.sub_blocks[0] if args.sub_blocks else stage.get("sub_block", 0))
+             args.tau, stage["max_new"], args.sub_blocks[0] if args.sub_blocks else stage.get("sub_block", 0),
+             args.commit or stage.get("commit", "any"))
     elif args.bench:
         ar_model, tok, _ = load_checkpoint(args.ar, args.attn)
         diff_model, _, stage = load_checkpoint(args.diffusion, args.attn)
@@ -410,7 +450,7 @@ def main(argv=None):
         ratio = {b: forward_cost_ratio(diff_model.eval(), test[0]["prompt_ids"], b) for b in blocks}
         print("cost of a block forward / a 1-token step (batch 1): " + ", ".join(f"B={b}: {r:.2f}x" for b, r in ratio.items()))
         rows = bench(ar_model.eval(), diff_model.eval(), tok, test, sid, args.taus, args.batch_sizes, blocks, stage["max_new"],
-                     sub_blocks=args.sub_blocks or [stage.get("sub_block", 0)])
+                     sub_blocks=args.sub_blocks or [stage.get("sub_block", 0)], commit=args.commit or stage.get("commit", "any"))
         result = {"ar": {str(r["batch"]): r for r in rows if r["decoder"] == "ar"},  # keyed by batch size
                   "diffusion": [r for r in rows if r["decoder"] != "ar"],
                   "forward_cost_ratio": ratio, "device": args.device, "threads": torch.get_num_threads()}

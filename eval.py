@@ -236,21 +236,23 @@ def stage_metrics(quality, examples, by_tau=None):
     return out
 
 
-def run_test(out, model, tok, examples, sid_of, mode, block=32, max_new=256, batch_size=64, taus=(), tau_n=0, sub_block=0):
+def run_test(out, model, tok, examples, sid_of, mode, block=32, max_new=256, batch_size=64, taus=(), tau_n=0, sub_block=0,
+             commit="any"):
     """Final test of a stage: quality mode (AR greedy / tau = 1.0), plus `taus` (on the first tau_n examples,
-    0 = all) for diffusion checkpoints, decoded with the checkpoint's block and sub-block.
+    0 = all) for diffusion checkpoints, decoded with the checkpoint's block, sub-block and commit rule.
 
     Writes OUT/metrics.json and OUT/predictions.jsonl (the stage convention) and prints the table.
     """
     import json
     from pathlib import Path
     from decode import evaluate  # here, not at the top: decode.py imports this module
-    quality, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, block, 1.0, max_new, batch_size, True, sub_block)
+    quality, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, block, 1.0, max_new, batch_size, True, sub_block, commit)
     write_predictions(Path(out) / "predictions.jsonl", examples, sid_of, texts, rows, roll)
     sub = examples[:tau_n] if tau_n else examples
     by_tau = {}
     for t in taus:  # each threshold keeps its predictions too: the report pairs the stages on them
-        by_tau[t], rows, texts, roll = evaluate(model, tok, sub, sid_of, mode, block, t, max_new, batch_size, True, sub_block)
+        by_tau[t], rows, texts, roll = evaluate(model, tok, sub, sid_of, mode, block, t, max_new, batch_size, True, sub_block,
+                                                commit)
         write_predictions(Path(out) / f"predictions_tau{t}.jsonl", sub, sid_of, texts, rows, roll)
     result = stage_metrics(quality, examples, by_tau)
     write_atomic(Path(out) / "metrics.json", json.dumps(result, indent=2))
@@ -283,17 +285,20 @@ def reasoning_quality(preds, examples, sid_of):
     return real / cited if cited else float("nan")
 
 
-def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu", sub_block=None):
+def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu", sub_block=None, commit=None):
     """The stage's own predictions at `tau` when they cover `examples`, else a fresh decode (kept in run/report).
 
-    sub_block (not None) decodes a diffusion stage with that sub-block instead of the checkpoint's own."""
+    sub_block / commit (not None) decode a diffusion stage with that sub-block / commit rule instead of its own."""
     import json
     name = "predictions.jsonl" if tau == 1.0 else f"predictions_tau{tau}.jsonl"
     stage_json = Path(run) / stage / "stage.json"
     st = json.loads(stage_json.read_text())
-    own = not st.get("block_size") or sub_block is None or sub_block == st.get("sub_block", 0)
-    sub_block = st.get("sub_block", 0) if sub_block is None else sub_block
-    fresh = Path(run) / "report" / (f"{stage}_{name}" if own else f"{stage}_sub{sub_block}_{name}")
+    own_sub, own_commit = st.get("sub_block", 0), st.get("commit", "any")
+    sub_block = own_sub if sub_block is None else sub_block
+    commit = own_commit if commit is None else commit
+    own = not st.get("block_size") or (sub_block, commit) == (own_sub, own_commit)
+    tag = f"sub{sub_block}" + ("" if commit == "any" else f"_{commit}")
+    fresh = Path(run) / "report" / (f"{stage}_{name}" if own else f"{stage}_{tag}_{name}")
     for path in ((Path(run) / stage / name, fresh) if own else (fresh,)):  # the stage's own file, or an earlier report's
         if path.exists() and (path != fresh or path.stat().st_mtime >= stage_json.stat().st_mtime):  # not older than the checkpoint
             by_id = {p["id"]: p for p in read_jsonl(path)}
@@ -306,7 +311,7 @@ def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu", 
     mode = "ar" if not st.get("block_size") else "diffusion"
     print(f"decoding {len(examples)} test examples with {stage} at tau = {tau} ...")
     _, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, st.get("block_size") or 1, tau, st["max_new"], 64, True,
-                                    sub_block)
+                                    sub_block, commit)
     write_predictions(fresh, examples, sid_of, texts, rows, roll)
     return read_jsonl(fresh)
 
@@ -344,19 +349,20 @@ def ladder(entries, examples, sid_of, tok):
     return rows
 
 
-def table1(run, test, sid_of, tok, device="cpu", sub_block=None):
+def table1(run, test, sid_of, tok, device="cpu", sub_block=None, commit=None):
     """The stage ladder at tau = 1.0 (AR greedy for the AR re-ranker)."""
     entries = [("floor", "retriever floor", None)]
-    entries += [(stage, name, stage_predictions(run, stage, test, sid_of, tok, 1.0, device, sub_block))
+    entries += [(stage, name, stage_predictions(run, stage, test, sid_of, tok, 1.0, device, sub_block, commit))
                 for stage, name in STAGES if (Path(run) / stage / "stage.json").exists()]
     return ladder(entries, test, sid_of, tok)
 
 
-def table1b(run, examples, sid_of, tok, tau=0.9, device="cpu", sub_block=None):
+def table1b(run, examples, sid_of, tok, tau=0.9, device="cpu", sub_block=None, commit=None):
     """The diffusion stages at a parallel threshold, paired on the same examples: does each stage keep its gains?
     The AR re-ranker (greedy) is the reference row, so CFT's paired difference is its gap to AR."""
     entries = [("floor", "retriever floor", None)]
-    entries += [(stage, name, stage_predictions(run, stage, examples, sid_of, tok, 1.0 if stage == "sft" else tau, device, sub_block))
+    entries += [(stage, name, stage_predictions(run, stage, examples, sid_of, tok, 1.0 if stage == "sft" else tau, device,
+                                                       sub_block, commit))
                 for stage, name in STAGES if stage in ("sft", "cft", "opd", "rl") and (Path(run) / stage / "stage.json").exists()]
     rows = ladder(entries, examples, sid_of, tok)
     for r in rows:
@@ -462,11 +468,12 @@ def invalid_lines(rows):
         f"- {r['name']}: " + ", ".join(f"{c} {n}" for c, n in r["invalid_causes"].items()) for r in rows]
 
 
-def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 0.4), tau_n=200, device="cpu", sub_block=None):
+def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 0.4), tau_n=200, device="cpu", sub_block=None,
+           commit=None):
     """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and plots.
 
-    sub_block (not None) decodes every diffusion stage with that sub-block instead of its own; the
-    files are then named results_sub{n}.md / .json and frontier_sub{n}.png, beside the default ones."""
+    sub_block / commit (not None) decode every diffusion stage with that sub-block / commit rule instead of
+    its own; the files are then named results_sub{n}.md, results_prefix.md ... beside the default ones."""
     import json
     import data
     from decode import bench, forward_cost_ratio
@@ -476,9 +483,9 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
     (run / "report").mkdir(parents=True, exist_ok=True)
     test, sid_of = data.load_split(data_dir, "test")
     tok = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
-    sfx = "" if sub_block is None else f"_sub{sub_block}"
-    t1 = table1(run, test, sid_of, tok, device, sub_block)
-    t1b = table1b(run, test[:tau_n] if tau_n else test, sid_of, tok, 0.9, device, sub_block)
+    sfx = ("" if sub_block is None else f"_sub{sub_block}") + ("" if commit is None else f"_{commit}")
+    t1 = table1(run, test, sid_of, tok, device, sub_block, commit)
+    t1b = table1b(run, test[:tau_n] if tau_n else test, sid_of, tok, 0.9, device, sub_block, commit)
     final = next((s for s in ("rl", "opd", "cft") if (run / s / "stage.json").exists()), None)
     t2, ratio = [], None
     if final and (run / "sft" / "stage.json").exists():
@@ -488,8 +495,9 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
         ratio = forward_cost_ratio(diff.eval(), test[0]["prompt_ids"], st["block_size"])
         print(f"speed: {final} against the AR re-ranker on {bench_n} test prompts (block forward costs {ratio:.2f}x a 1-token step)")
         t2_sub = st.get("sub_block", 0) if sub_block is None else sub_block
+        t2_commit = st.get("commit", "any") if commit is None else commit
         t2 = bench(ar.eval(), diff.eval(), tok, test[:bench_n], sid_of, taus, batch_sizes, [st["block_size"]], st["max_new"],
-                   sub_blocks=[t2_sub])
+                   sub_blocks=[t2_sub], commit=t2_commit)
         plot_frontier(t2, run / f"frontier{sfx}.png")
     plot_curves(run, run / "curves.png")
     plot_masks(run / "masks.png")
@@ -535,7 +543,9 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
     if t2:
         lines += ["", f"## Table 2: decoding speed, AR against `{final}` (first {bench_n} test prompts, this machine)", "",
                   f"One block forward costs {ratio:.2f}x a 1-token AR step here (batch 1). Block {st['block_size']}"
-                  + (f", commits only inside the leftmost sub-block of {t2_sub} with masks." if t2_sub else "."), "",
+                  + (f", commits only inside the leftmost sub-block of {t2_sub} with masks" if t2_sub else "")
+                  + (", commits only the leftmost mask and the confident run after it (prefix rule)." if t2_commit == "prefix"
+                     else "."), "",
                   "| decoder | batch | Recall@1 | valid rate | tokens/s | tokens per forward | speed-up |", "|---|---|---|---|---|---|---|"]
         for r in t2:
             name = "AR" if r["decoder"] == "ar" else f"diffusion tau = {r['tau']}"
@@ -561,12 +571,14 @@ def main(argv=None):
     ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
     ap.add_argument("--sub-block", type=int, default=None,
                     help="decode every diffusion stage with this sub-block instead of its own (writes results_sub{n}.md)")
+    ap.add_argument("--commit", choices=["any", "prefix"], default=None,
+                    help="decode every diffusion stage with this commit rule instead of its own (writes results_{rule}.md)")
     args = ap.parse_args(argv)
     if args.masks_figure:
         plot_masks(args.masks_figure)
     elif args.report:
         report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tau_n=args.tau_n, device=args.device,
-               sub_block=args.sub_block)
+               sub_block=args.sub_block, commit=args.commit)
     else:
         ap.error("choose --report or --masks-figure")
 

@@ -338,8 +338,17 @@ def pad_to_block(response, block, eos_id):  # [diffusion]
     return list(response) + [eos_id] * (-len(response) % block)
 
 
-def sample_noise(lengths, block, t_range=(1e-3, 1.0), per="block", generator=None):  # [diffusion]
-    """(masked, t): which response tokens are masked, and the noise level t ~ U(t_range) of each token's block/row."""
+def suffix_mask(t, block):  # [diffusion]
+    """(B, R) mask of the last round(t * block) positions of every block (at least one): t is (B, R), constant per block."""
+    k = (t * block).round().clamp(1, block)
+    return torch.arange(t.shape[1])[None] % block >= block - k
+
+
+def sample_noise(lengths, block, t_range=(1e-3, 1.0), per="block", generator=None, shape="random"):  # [diffusion]
+    """(masked, t): which response tokens are masked, and the noise level t ~ U(t_range) of each token's block/row.
+
+    shape "random" masks each token with probability t; "suffix" masks the last t * block positions of each
+    block: the only canvases the prefix commit rule of decode.py ever shows the model."""
     Rmax = max(lengths)
     nblk = math.ceil(Rmax / block)
     if per == "block":
@@ -347,30 +356,33 @@ def sample_noise(lengths, block, t_range=(1e-3, 1.0), per="block", generator=Non
     else:  # one level for the whole response
         t = torch.rand(len(lengths), 1, generator=generator).expand(len(lengths), Rmax)
     t = t_range[0] + (t_range[1] - t_range[0]) * t
-    masked = torch.rand(len(lengths), Rmax, generator=generator) < t
+    masked = suffix_mask(t, block) if shape == "suffix" else torch.rand(len(lengths), Rmax, generator=generator) < t
     real = torch.arange(Rmax)[None] < torch.tensor(lengths)[:, None]
     return masked & real, t
 
 
 def diffusion_loss(model, batch, block, mask_id, eos_id, lam_r=0.5, lam_o=1.0, t_range=(1e-3, 1.0), noise_per="block",
-                   inv_t=False, complementary=True, masked=None, pad_id=0, generator=None):  # [diffusion]
+                   inv_t=False, complementary=True, masked=None, pad_id=0, generator=None, noise_shape="random"):  # [diffusion]
     """Masked-diffusion loss of the module docstring on a batch (same dict as ar_loss).
 
-    `masked` (B, Rmax) fixes the noise (tests); otherwise it is sampled. With complementary=True each
-    row is also trained with the inverted mask, so every response token is a target once per pair.
+    `masked` (B, Rmax) fixes the noise (tests); otherwise it is sampled (`noise_shape`: sample_noise). With
+    complementary=True each row is also trained with the inverted mask, so every response token is a
+    target once per pair; for suffix noise the second row masks the suffix of the other length, (1 - t) * block.
     Returns (loss, number of scored tokens).
     """
     responses = [pad_to_block(r, block, eos_id) for r in batch["response_ids"]]
     prompts, n_reasoning = list(batch["prompt_ids"]), list(batch["n_reasoning"])
     lengths = [len(r) for r in responses]
     if masked is None:
-        masked, t = sample_noise(lengths, block, t_range, noise_per, generator)
+        masked, t = sample_noise(lengths, block, t_range, noise_per, generator, noise_shape)
     else:
         t = torch.ones(masked.shape)
     real = torch.arange(masked.shape[1])[None] < torch.tensor(lengths)[:, None]
     masked = masked & real  # prompt and padding are never noised, never scored
     if complementary:
-        masked, t = torch.cat([masked, ~masked & real]), torch.cat([t, (1 - t).clamp_min(t_range[0])])
+        t2 = (1 - t).clamp_min(t_range[0])
+        other = suffix_mask(t2, block) if noise_shape == "suffix" else ~masked  # a suffix stays a suffix
+        masked, t = torch.cat([masked, other & real]), torch.cat([t, t2])
         prompts, responses, lengths, n_reasoning = prompts * 2, responses * 2, lengths * 2, n_reasoning * 2
     noisy = [[mask_id if masked[i, j] else tok for j, tok in enumerate(r)] for i, r in enumerate(responses)]
     rows = build_rows(prompts, responses, block, noisy=noisy, pad_id=pad_id)

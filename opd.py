@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import data
 import eval as metrics
-from decode import generate, replay_chunks, validate
+from decode import add_decoder_args, generate, inherited_decoder, replay_chunks, validate
 from model import (Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
                    setup, token_kl)
 
@@ -43,8 +43,7 @@ def parse_args(argv=None):
     ap.add_argument("--group", type=int, default=4, help="G': trajectories the student decodes per prompt")
     ap.add_argument("--prompts-per-step", type=int, default=4, help="training prompts per step (the paper: 128)")
     ap.add_argument("--tau", type=float, default=0.9, help="commit threshold of the student's rollouts")
-    ap.add_argument("--sub-block", type=int, default=None,  # [diffusion]
-                    help="decode with sub-blocks of this size (0 = commit anywhere in the block; default: the parent checkpoint's)")
+    add_decoder_args(ap)  # [diffusion] --sub-block, --commit: the parent checkpoint's unless given
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--reverse", action="store_true", help="KL(student || teacher) instead of KL(teacher || student)")
     ap.add_argument("--clean-prefix", action="store_true",
@@ -86,12 +85,13 @@ def opd_loss(*args, **kwargs):
 
 
 @torch.no_grad()
-def test_kl(student, teacher, tok, examples, block, max_new, batch, sub_block=0):
+def test_kl(student, teacher, tok, examples, block, max_new, batch, sub_block=0, commit="any"):
     """Mean KL(teacher || student) along the student's own greedy tau = 1.0 trajectories."""
     total, n = 0.0, 0
     for s in range(0, len(examples), batch):
         prompts = [ex["prompt_ids"] for ex in examples[s:s + batch]]
-        roll, _ = generate(student, tok, prompts, "diffusion", block, 1.0, max_new, len(prompts), sub_block=sub_block)
+        roll, _ = generate(student, tok, prompts, "diffusion", block, 1.0, max_new, len(prompts), sub_block=sub_block,
+                           commit=commit)
         total += opd_loss(student, teacher, prompts, roll, block, tok.mask_token_id, tok.pad_token_id).item()
         n += len(prompts)
     return total / max(n, 1)
@@ -106,8 +106,8 @@ def main(argv=None):
     check_vocab(student, tok, teacher, t_tok)
     student.to(args.device), teacher.to(args.device).eval().requires_grad_(False)
     block, max_new = parent["block_size"], parent["max_new"]
-    sub = parent.get("sub_block", 0) if args.sub_block is None else args.sub_block  # [diffusion]
-    stage = {"stage": "opd", "parent": str(args.init), "teacher": str(args.teacher), "block_size": block, "sub_block": sub,
+    dec = inherited_decoder(parent, args)  # [diffusion] {sub_block, commit}
+    stage = {"stage": "opd", "parent": str(args.init), "teacher": str(args.teacher), "block_size": block, **dec,
              "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
     kl_examples = test[:args.kl_n]
 
@@ -116,8 +116,8 @@ def main(argv=None):
     best, log = state.get("best", -1.0), Log(out, fresh=start == 0)
     t0 = time.time() - state.get("elapsed", 0.0)
     if start == 0:
-        state["kl_init"] = test_kl(student, teacher, tok, kl_examples, block, max_new, 16, sub)
-        log(step=0, minutes=0.0, kl_test=state["kl_init"], **validate(student, tok, valid, sid, "diffusion", block, max_new, args.eval_batch, sub)[0])
+        state["kl_init"] = test_kl(student, teacher, tok, kl_examples, block, max_new, 16, **dec)
+        log(step=0, minutes=0.0, kl_test=state["kl_init"], **validate(student, tok, valid, sid, "diffusion", block, max_new, args.eval_batch, **dec)[0])
         print(f"before OPD: test KL to the teacher {state['kl_init']:.4f}")
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="opd", dynamic_ncols=True)
     for step in bar:
@@ -127,7 +127,7 @@ def main(argv=None):
         student.eval()  # [diffusion] the student's own trajectories, from the real decoder
         gen = torch.Generator(device=args.device).manual_seed(args.seed * 100003 + step)
         roll, _ = generate(student, tok, prompts, "diffusion", block, args.tau, max_new, len(prompts), args.temperature, gen,
-                           sub_block=sub)
+                           **dec)
         student.train()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
@@ -147,7 +147,7 @@ def main(argv=None):
         bar.set_postfix(kl=f"{kl_sum:.4f}", valid=f"{rec['rollout_valid_rate']:.2f}",
                         tpf=f"{rec['rollout_tokens_per_forward']:.2f}")
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            val, _ = validate(student, tok, valid, sid, "diffusion", block, max_new, args.eval_batch, sub)
+            val, _ = validate(student, tok, valid, sid, "diffusion", block, max_new, args.eval_batch, **dec)
             rec.update(minutes=(time.time() - t0) / 60, **val)
             tqdm.write(f"step {step + 1:4d} | {rec['minutes']:5.1f} min | rollout KL {kl_sum:.4f} | tau=1.0 valid "
                        f"{val['val_valid_rate']:.3f} R@1 {val['val_recall1']:.3f} | tau=0.9 valid "
@@ -157,11 +157,11 @@ def main(argv=None):
         log(**rec)
 
     student, tok, stage = load_best(out, args, "OPD", t0)
-    result = metrics.run_test(out, student, tok, test, sid, "diffusion", block, max_new, args.eval_batch, TAUS, args.tau_n, sub)
+    result = metrics.run_test(out, student, tok, test, sid, "diffusion", block, max_new, args.eval_batch, TAUS, args.tau_n, **dec)
     teacher_preds = metrics.read_jsonl(f"{args.teacher}/predictions.jsonl")
     result["kl_to_teacher"] = {"init": state["kl_init"],
-                               "final": test_kl(student, teacher, tok, kl_examples, block, max_new, 16, sub)}
-    result["teacher_agreement"] = {  # init: the parent's own test answers (decoded with the parent's sub-block)
+                               "final": test_kl(student, teacher, tok, kl_examples, block, max_new, 16, **dec)}
+    result["teacher_agreement"] = {  # init: the parent's own test answers (decoded with the parent's decoder)
         "init": metrics.agreement(metrics.read_jsonl(f"{args.init}/predictions.jsonl"), teacher_preds),
         "final": metrics.agreement(metrics.read_jsonl(out / "predictions.jsonl"), teacher_preds)}
     metrics.write_atomic(out / "metrics.json", json.dumps(result, indent=2))

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 import data
 import eval as metrics
-from decode import generate, replay_chunks, validate
+from decode import add_decoder_args, generate, inherited_decoder, replay_chunks, validate
 from model import (Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
                    setup)
 
@@ -46,8 +46,7 @@ def parse_args(argv=None):
     ap.add_argument("--prompts-per-step", type=int, default=16,  # assumption: 16 x 8 (with 4 x 8 the held-out reward fell: README)
                     help="prompts per step (G rollouts each)")
     ap.add_argument("--tau", type=float, default=0.9, help="commit threshold of the rollouts (diffusion)")
-    ap.add_argument("--sub-block", type=int, default=None,  # [diffusion]
-                    help="decode with sub-blocks of this size (0 = commit anywhere in the block; default: the parent checkpoint's)")
+    add_decoder_args(ap)  # [diffusion] --sub-block, --commit: the parent checkpoint's unless given
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     ap.add_argument("--clip", type=float, default=0.2, help="epsilon of the clipped ratio")
     ap.add_argument("--updates", type=int, default=1, help="optimizer steps per batch of rollouts (mu)")
@@ -100,16 +99,16 @@ def main(argv=None):
     if (args.policy == "ar") != (parent.get("block_size") is None):
         raise SystemExit(f"error: --policy {args.policy} does not match {args.init} (block size {parent.get('block_size')})")
     mode = "ar" if args.policy == "ar" else "diffusion"
-    sub = parent.get("sub_block", 0) if args.sub_block is None else args.sub_block  # [diffusion]
+    dec = inherited_decoder(parent, args)  # [diffusion] {sub_block, commit}
     stage = {"stage": "rl" if mode == "diffusion" else "rl-ar", "parent": str(args.init), "block_size": parent.get("block_size"),
-             "sub_block": sub,
+             **dec,
              "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
     print(f"rollouts: G={args.group} x {args.prompts_per_step} prompts, tau={args.tau}, temperature={args.temperature}, "
-          f"policy={args.policy}" + (f", sub-block {sub}" if mode == "diffusion" else ""))
+          f"policy={args.policy}" + (f", sub-block {dec['sub_block']}, commit {dec['commit']}" if mode == "diffusion" else ""))
 
     def held_out():
         """Mean reward of greedy (tau = 1.0) answers on validation prompts, and the validation metrics."""
-        val, texts = validate(model, tok, valid, sid, mode, block, max_new, args.eval_batch, sub)
+        val, texts = validate(model, tok, valid, sid, mode, block, max_new, args.eval_batch, **dec)
         rew = [metrics.rerank_reward(t, [sid[c] for c in ex["candidates"]], sid[ex["target"]]) for t, ex in zip(texts, valid)]
         return {"val_reward": sum(rew) / len(rew), **val}
 
@@ -129,7 +128,7 @@ def main(argv=None):
         prompts = [ex["prompt_ids"] for ex in examples]
         model.eval()
         gen = torch.Generator(device=args.device).manual_seed(args.seed * 100003 + step)
-        roll, _ = generate(model, tok, prompts, mode, block, args.tau, max_new, len(prompts), args.temperature, gen, sub_block=sub)
+        roll, _ = generate(model, tok, prompts, mode, block, args.tau, max_new, len(prompts), args.temperature, gen, **dec)
         texts = [tok.decode(t) for t in roll.tokens]
         cands = [[sid[c] for c in ex["candidates"]] for ex in examples]
         rewards = [metrics.rerank_reward(t, c, sid[ex["target"]]) for t, c, ex in zip(texts, cands, examples)]
@@ -177,7 +176,7 @@ def main(argv=None):
     if stage["step"] == 0:
         print(f"no RL checkpoint beat the starting weights on held-out reward: {out} holds {args.init}'s weights")
     return metrics.run_test(out, model, tok, test, sid, mode, block, max_new, args.eval_batch,
-                           TAUS if mode == "diffusion" else (), args.tau_n, sub)
+                           TAUS if mode == "diffusion" else (), args.tau_n, **dec)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,14 @@
 #   bash run.sh --quick                            # every stage for a few steps: the mechanics only (~4 min)
 #   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # ~100 min, cut short
 #   bash run.sh --sub-block 8 --out out-sb8         # decode in sub-blocks of 8 (Fast-dLLM v2), OPD and RL too
+#   bash run.sh --commit prefix --out out-px        # commit only confident runs from the leftmost mask, OPD and RL too
 #
 # A finished stage (its metrics.json exists) is skipped; an interrupted one resumes from its OUT/<stage>/last.
 # Every stage is also a script of its own: see the commands this prints.
 set -euo pipefail
 cd "$(dirname "$0")"
 
-SOURCE=synthetic RAW="" OUT="" QUICK=0 SUB=0
+SOURCE=synthetic RAW="" OUT="" QUICK=0 SUB=0 COMMIT=any
 while [ $# -gt 0 ]; do
   case "$1" in
     --data) SOURCE="$2"; shift 2 ;;
@@ -19,7 +20,8 @@ while [ $# -gt 0 ]; do
     --out) OUT="$2"; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --sub-block) SUB="$2"; shift 2 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    --commit) COMMIT="$2"; shift 2 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -62,8 +64,8 @@ if [ ! -f "$DATA/stats.json" ]; then
   python data.py --source "$SOURCE" --out "$DATA" $DATA_ARGS
 fi
 stage sft   python sft.py --data "$DATA" --out "$OUT/sft" $SFT
-stage naive python cft.py --data "$DATA" --init "$OUT/sft" --out "$OUT/naive" --epochs 0 --tau-n 100 --sub-block "$SUB"
-stage cft   python cft.py --data "$DATA" --init "$OUT/sft" --out "$OUT/cft" --sub-block "$SUB" $CFT  # opd, rl inherit it
+stage naive python cft.py --data "$DATA" --init "$OUT/sft" --out "$OUT/naive" --epochs 0 --tau-n 100 --sub-block "$SUB" --commit "$COMMIT"
+stage cft   python cft.py --data "$DATA" --init "$OUT/sft" --out "$OUT/cft" --sub-block "$SUB" --commit "$COMMIT" $CFT  # opd, rl inherit it
 stage opd   python opd.py --data "$DATA" --init "$OUT/cft" --teacher "$OUT/sft" --out "$OUT/opd" $OPD
 stage rl    python rl.py  --data "$DATA" --init "$OUT/opd" --out "$OUT/rl" $RL
 echo "== report: python eval.py --report --run $OUT --data $DATA $REPORT"

@@ -19,11 +19,12 @@ def test_block_size_one_is_ar_greedy(attn):
     assert bd.nfe == ar.nfe  # with B = 1 every forward is a commit forward: exactly AR's count
 
 
-def test_cache_and_no_cache_decode_the_same(attn):
+@pytest.mark.parametrize("commit", ["any", "prefix"])
+def test_cache_and_no_cache_decode_the_same(attn, commit):
     model = tiny(attn, sharpen=30.0)  # confident logits: several commits per step
     prompts = random_prompts(3, 4, 14)
-    a = gen(model, prompts, block=4, tau=0.7)
-    b = gen(model, prompts, block=4, tau=0.7, use_cache=False)
+    a = gen(model, prompts, block=4, tau=0.7, commit=commit)
+    b = gen(model, prompts, block=4, tau=0.7, use_cache=False, commit=commit)
     assert a.tokens == b.tokens and a.steps == b.steps
     assert max(a.nfe) < 1 + 24 + 6  # parallel commits really happened
 
@@ -87,8 +88,47 @@ def test_sub_blocks_are_committed_left_to_right():
             assert not here or not after or max(here) < min(after)
 
 
-@pytest.mark.parametrize("sub_block", [0, 2])
-def test_replayed_logits_equal_the_decoders_logits_at_commit_time(attn, sub_block):
+def test_prefix_rule_commits_the_leftmost_mask_and_the_confident_run_after_it():
+    model = tiny(sharpen=30.0)
+    prompts, block, tau = random_prompts(3, 4, 14), 8, 0.7
+    runs = []
+
+    def check(b, s, canvas, commit, pred):
+        lo = b * block
+        before = (canvas[:, lo:] == MASK) | commit  # the masks this step saw
+        sure = pred.softmax(-1).amax(-1) >= tau
+        for i in range(len(prompts)):
+            cols = commit[i].nonzero()[:, 0].tolist()
+            if not cols:
+                continue
+            first = int(before[i].float().argmax())
+            assert cols == list(range(first, first + len(cols)))  # one unbroken run from the leftmost mask
+            assert all(sure[i, j] for j in cols[1:])  # every commit after the first is confident
+            nxt = first + len(cols)
+            assert nxt == block or not before[i, nxt] or not sure[i, nxt]  # and the run is as long as it can be
+            runs.append(len(cols))
+
+    gen(model, prompts, block=block, tau=tau, max_new=32, commit="prefix", on_step=check)
+    assert max(runs) > 1  # several positions committed in one forward happened
+
+
+def test_prefix_rule_at_tau_one_is_left_to_right_one_token_per_step():
+    model = tiny(sharpen=4.0)
+    prompts = random_prompts(3, 4, 14)
+    out = gen(model, prompts, block=4, tau=1.0, commit="prefix")
+    one = gen(model, prompts, block=4, tau=0.9, sub_block=1)  # a sub-block of one: the same order by construction
+    assert out.tokens == one.tokens and out.steps == one.steps
+    for steps in out.steps:
+        assert all(s == j % 4 for j, s in enumerate(steps) if s >= 0)  # position j of a block at step j
+
+
+def test_an_unknown_commit_rule_is_refused():
+    with pytest.raises(ValueError, match="commit must be one of"):
+        gen(tiny(), random_prompts(1), block=4, tau=0.9, commit="random")
+
+
+@pytest.mark.parametrize("sub_block,commit", [(0, "any"), (2, "any"), (0, "prefix")])
+def test_replayed_logits_equal_the_decoders_logits_at_commit_time(attn, sub_block, commit):
     model = tiny(attn, sharpen=30.0)
     prompts = random_prompts(2, 5, 12)
     seen = {}
@@ -97,7 +137,7 @@ def test_replayed_logits_equal_the_decoders_logits_at_commit_time(attn, sub_bloc
         for i, j in commit.nonzero().tolist():
             seen[(i, b * 4 + j)] = pred[i, j].clone()
 
-    out = gen(model, prompts, block=4, tau=0.7, on_step=record, sub_block=sub_block)
+    out = gen(model, prompts, block=4, tau=0.7, on_step=record, sub_block=sub_block, commit=commit)
     keep = [len(t) for t in out.tokens]
     parts = list(replay_chunks(model, prompts, out.canvas, out.steps, 4, MASK, keep, pad_id=PAD, max_rows=3))
     logits, order = torch.cat([lg for lg, _ in parts]), [o for _, od in parts for o in od]

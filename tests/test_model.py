@@ -3,7 +3,7 @@ import torch
 
 from conftest import EOS, MASK, PAD, random_prompts, tiny
 from model import (attention_mask, build_rows, diffusion_loss, ar_loss, for_attention, hidden_states,
-                   load_checkpoint, save_checkpoint, target_sources)
+                   load_checkpoint, sample_noise, save_checkpoint, suffix_mask, target_sources)
 
 
 def logits_of(model, rows):
@@ -105,6 +105,21 @@ def test_diffusion_loss_scores_only_masked_response_tokens():
     alone, _ = diffusion_loss(model, batch_of(ps[:1], rs[:1]), block, MASK, EOS, lam_r=1.0, lam_o=1.0,
                               complementary=False, masked=masked[:1])
     assert torch.allclose(loss, alone, atol=1e-6)
+
+
+def test_suffix_noise_masks_the_end_of_every_block_and_its_pair_the_other_end():
+    lengths, block = [8, 12, 5], 4
+    masked, t = sample_noise(lengths, block, (0.02, 0.98), generator=torch.Generator().manual_seed(0), shape="suffix")
+    other = suffix_mask(1 - t, block)
+    for i, n in enumerate(lengths):
+        for lo in range(0, n, block):
+            row = masked[i, lo:min(lo + block, n)].tolist()
+            k = sum(row)
+            assert k >= 1 and row == [False] * (len(row) - k) + [True] * k  # a suffix, never empty
+            if lo + block <= n:  # a whole block (cft pads every response to whole blocks)
+                assert k == max(1, round(float(t[i, lo]) * block))  # of the sampled length
+                assert abs(k + int(other[i, lo:lo + block].sum()) - block) <= 1  # the pair's lengths add up to a block
+        assert not masked[i, n:].any()  # padding beyond the response is never masked
 
 
 def test_diffusion_loss_prompt_tokens_are_never_targets():

@@ -32,7 +32,8 @@ def run_pipeline(root, tokenizer):
     cft.main(common + ["--init", str(out / "sft"), "--out", str(out / "cft"), "--steps", "1", "--block", "8",
                        "--batch-size", "1", "--eval-every", "1", "--sub-block", "4"])  # opd and rl inherit the sub-block
     opd.main(common + ["--init", str(out / "cft"), "--teacher", str(out / "sft"), "--out", str(out / "opd"),
-                       "--steps", "1", "--prompts-per-step", "1", "--group", "2", "--kl-n", "2"])
+                       "--steps", "1", "--prompts-per-step", "1", "--group", "2", "--kl-n", "2",
+                       "--commit", "prefix"])  # rl inherits the commit rule
     rl.main(common + ["--init", str(out / "opd"), "--out", str(out / "rl"), "--steps", "1", "--prompts-per-step", "1",
                       "--group", "2"])
     metrics.report(out, d, bench_n=2, batch_sizes=(1,), taus=(1.0, 0.9))
@@ -55,10 +56,11 @@ def check_outputs(d, out):
         stage_info = json.loads((out / stage / "stage.json").read_text())
         assert stage_info["stage"] == stage and (stage == "sft") == (stage_info["block_size"] is None)
         assert stage_info.get("sub_block") == {"sft": None, "naive": 0}.get(stage, 4), stage
+        assert stage_info.get("commit") == {"sft": None, "naive": "any", "cft": "any"}.get(stage, "prefix"), stage
     res = json.loads((out / "results.json").read_text())
     assert [r["name"] for r in res["table1"]][:2] == ["retriever floor", "AR re-ranker (GR2)"] and len(res["table1"]) == 6
     assert {"decoder", "tau", "batch", "recall@1", "valid_rate", "tokens_per_s", "tokens_per_forward", "speedup"} <= set(res["table2"][0])
-    assert [r["sub_block"] for r in res["table2"] if r["decoder"] == "diffusion"] == [4, 4]  # the final checkpoint's decoder
+    assert [(r["sub_block"], r["commit"]) for r in res["table2"] if r["decoder"] == "diffusion"] == [(4, "prefix")] * 2
     ladder = res["table1b_tau0.9"]  # floor, AR, CFT, OPD, RL, paired on the same examples at tau = 0.9
     assert [r["stage"] for r in ladder] == ["floor", "sft", "cft", "opd", "rl"] and "delta_recall@1_vs_prev" in ladder[-1]
     assert all(r["tokens_per_forward"] > 0 for r in ladder[2:])
@@ -76,11 +78,16 @@ def test_report_can_decode_every_diffusion_stage_with_another_sub_block(word_run
     metrics.report(out, d, bench_n=2, batch_sizes=(1,), taus=(0.9,), sub_block=0)
     res = json.loads((out / "results_sub0.json").read_text())
     assert [r["sub_block"] for r in res["table2"] if r["decoder"] == "diffusion"] == [0]
-    for stage in ("cft", "opd", "rl"):  # trained with sub-block 4: decoded afresh with 0, on the same examples
-        fresh = metrics.read_jsonl(out / "report" / f"{stage}_sub0_predictions.jsonl")
+    for stage, tag in (("cft", "sub0"), ("opd", "sub0_prefix"), ("rl", "sub0_prefix")):  # trained with sub-block 4:
+        fresh = metrics.read_jsonl(out / "report" / f"{stage}_{tag}_predictions.jsonl")  # decoded afresh with 0 (own rule)
         assert [p["id"] for p in fresh] == [p["id"] for p in metrics.read_jsonl(out / stage / "predictions.jsonl")]
     assert not (out / "report" / "naive_sub0_predictions.jsonl").exists()  # naive already decodes with 0: its own file
     assert (out / "results.json").read_text() == before and (out / "results_sub0.md").exists()
+    metrics.report(out, d, bench_n=2, batch_sizes=(1,), taus=(0.9,), commit="any")  # opd and rl were decoded with prefix
+    res = json.loads((out / "results_any.json").read_text())
+    assert [(r["sub_block"], r["commit"]) for r in res["table2"] if r["decoder"] == "diffusion"] == [(4, "any")]
+    assert all((out / "report" / f"{stage}_sub4_predictions.jsonl").exists() for stage in ("opd", "rl"))
+    assert not (out / "report" / "cft_sub4_predictions.jsonl").exists()  # cft decodes with (4, any): its own file
 
 
 def test_report_never_reuses_a_decode_older_than_the_checkpoint(word_run):

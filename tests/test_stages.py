@@ -1,4 +1,5 @@
 """The training stages' own mechanics: CFT learns, OPD's divergence and fixed point, RL's reward plumbing."""
+import pytest
 import torch
 
 from conftest import EOS, MASK, PAD, random_prompts, tiny
@@ -8,7 +9,8 @@ from opd import opd_loss, opd_losses
 from rl import clipped_loss, group_advantages, rollout_logprobs
 
 
-def test_cft_loss_goes_down_on_a_tiny_model():
+@pytest.mark.parametrize("noise_shape", ["random", "suffix"])
+def test_cft_loss_goes_down_on_a_tiny_model(noise_shape):
     model = tiny()
     model.train()
     batch = {"prompt_ids": random_prompts(4), "response_ids": random_prompts(4, 9, 14, seed=5), "n_reasoning": [4] * 4}
@@ -16,7 +18,7 @@ def test_cft_loss_goes_down_on_a_tiny_model():
     losses = []
     for step in range(40):
         g = torch.Generator().manual_seed(step)
-        loss, n = diffusion_loss(model, batch, 4, MASK, EOS, t_range=(0.02, 0.98), generator=g)
+        loss, n = diffusion_loss(model, batch, 4, MASK, EOS, t_range=(0.02, 0.98), generator=g, noise_shape=noise_shape)
         loss.backward()
         opt.step()
         opt.zero_grad()
