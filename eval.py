@@ -560,6 +560,7 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
 
 def main(argv=None):
     import argparse
+    from decode import COMMIT_RULES  # here, not at the top: decode.py imports this module
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--report", action="store_true", help="evaluate every checkpoint of a run and write results.md/json")
     ap.add_argument("--run", default="out", help="the run's output folder (holds sft/, naive/, cft/, opd/, rl/)")
@@ -571,7 +572,7 @@ def main(argv=None):
     ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
     ap.add_argument("--sub-block", type=int, default=None,
                     help="decode every diffusion stage with this sub-block instead of its own (writes results_sub{n}.md)")
-    ap.add_argument("--commit", choices=["any", "prefix"], default=None,
+    ap.add_argument("--commit", choices=COMMIT_RULES, default=None,
                     help="decode every diffusion stage with this commit rule instead of its own (writes results_{rule}.md)")
     args = ap.parse_args(argv)
     if args.masks_figure:
