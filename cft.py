@@ -32,14 +32,14 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import COMMIT_RULES, validate
-from model import (Log, add_common_args, diffusion_loss, init_mask_embedding, keep_best, load_best,
+from model import (HelpFormatter, Log, add_common_args, diffusion_loss, init_mask_embedding, keep_best, load_best,
                    load_checkpoint, lr_at, resume, save_checkpoint, setup)
 
 TAUS = (0.9, 0.6, 0.4)  # the paper's speed settings, reported next to tau = 1.0
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--init", default="out/sft", help="the AR re-ranker checkpoint to convert")
     ap.add_argument("--out", default="out/cft", help="checkpoint folder to write")
     ap.add_argument("--epochs", type=float, default=2.0,  # assumption: the paper trains 3 epochs; 2 fit the 45-minute CPU budget

@@ -611,7 +611,8 @@ def max_new_tokens(train, block=32):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    from model import HelpFormatter  # the shared --help layout (model.py imports nothing of data.py)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--source", choices=["synthetic", "beauty"], default="synthetic", help="which catalogue to build from")
     ap.add_argument("--raw", help="directory of the real data (JSONL layout or McAuley's 2014 .json.gz files)")
     ap.add_argument("--out", help="output directory (default data/<source>)")

@@ -40,8 +40,8 @@ import torch
 from transformers import DynamicCache
 
 import eval as metrics
-from model import (CLEAN, PAD, PROMPT, attention_mask, build_rows, compute, for_attention, gather_logits,
-                   hidden_states, load_checkpoint, target_sources)
+from model import (CLEAN, PAD, PROMPT, HelpFormatter, attention_mask, build_rows, compute, for_attention,
+                   gather_logits, hidden_states, load_checkpoint, target_sources)
 
 
 COMMIT_RULES = ("any", "prefix")  # [diffusion] which confident positions a step may commit (docstring)
@@ -408,7 +408,7 @@ def show(model, tok, example, block, tau, max_new, sub_block=0, commit="any"):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--bench", action="store_true", help="time AR against block diffusion on test prompts")
     ap.add_argument("--show", action="store_true", help="print one example being denoised step by step")
     ap.add_argument("--ar", default="out/sft", help="AR checkpoint (bench)")

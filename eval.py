@@ -561,7 +561,8 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
 def main(argv=None):
     import argparse
     from decode import COMMIT_RULES  # here, not at the top: decode.py imports this module
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from model import HelpFormatter
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--report", action="store_true", help="evaluate every checkpoint of a run and write results.md/json")
     ap.add_argument("--run", default="out", help="the run's output folder (holds sft/, naive/, cft/, opd/, rl/)")
     ap.add_argument("--data", default="data/synthetic", help="folder written by data.py")

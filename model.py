@@ -31,6 +31,7 @@ masked with probability t_b; prompt and padding are never noised and never score
     w_i = lambda_r for reasoning tokens, lambda_o for answer tokens; c_i = 1/t_b when --inv-t
 The AR loss is the same with every response token scored from position i-1 under causal attention.
 """
+import argparse
 import json
 import math
 import os
@@ -169,6 +170,16 @@ def load_best(out, args, name, t0):
     model, tok, stage = load_checkpoint(out, args.attn, args.dtype)
     print(f"{name} took {(time.time() - t0) / 60:.1f} min; testing the best checkpoint (step {stage['step']}) ...")
     return model.to(args.device), tok, stage
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help keeps the module docstring's layout and ends each flag's help with its default (unless None/False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS or "%(default)" in text:
+            return text
+        return text + " (default: %(default)s)"
 
 
 def add_common_args(ap, **defaults):

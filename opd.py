@@ -29,14 +29,14 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import add_decoder_args, generate, inherited_decoder, replay_chunks, validate
-from model import (Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
+from model import (HelpFormatter, Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
                    setup, token_kl)
 
 TAUS = (0.9, 0.6, 0.4)
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--init", default="out/cft", help="the CFT student checkpoint")
     ap.add_argument("--teacher", default="out/sft", help="the frozen AR teacher checkpoint")
     ap.add_argument("--out", default="out/opd", help="checkpoint folder to write")

@@ -31,14 +31,14 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import add_decoder_args, generate, inherited_decoder, replay_chunks, validate
-from model import (Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
+from model import (HelpFormatter, Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
                    setup)
 
 TAUS = (0.9, 0.6, 0.4)
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--init", default="out/opd", help="the policy to start from")
     ap.add_argument("--out", default="out/rl", help="checkpoint folder to write")
     ap.add_argument("--policy", choices=["diffusion", "ar"], default="diffusion", help="decode and score as which model")

@@ -25,11 +25,11 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import validate
-from model import Log, add_common_args, ar_loss, create_model, keep_best, load_best, lr_at, resume, setup
+from model import HelpFormatter, Log, add_common_args, ar_loss, create_model, keep_best, load_best, lr_at, resume, setup
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--out", default="out/sft", help="checkpoint folder to write (best model, metrics, log)")
     ap.add_argument("--model", default="tiny", help="'tiny' or 'micro' (random init, model.PRESETS), a hub id or a local folder")
     ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")

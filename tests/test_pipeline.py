@@ -4,12 +4,14 @@ Run once with the small word-level tokenizer and once with the real Qwen3 tokeni
 copy is present), so the hub-model path cannot rot.
 """
 import json
+import re
 
 import pytest
 import torch
 
 import cft
 import data
+import decode
 import eval as metrics
 import model as model_lib
 import opd
@@ -169,3 +171,17 @@ def test_rl_keeps_the_starting_weights_unless_a_checkpoint_beats_them(word_run, 
         if kept == 0:  # shipped unchanged
             weights = load_checkpoint(tmp_path / where)[0].state_dict()
             assert all(torch.equal(start[k], weights[k]) for k in start)
+
+
+@pytest.mark.parametrize("script", [sft, cft, opd, rl, decode, data, metrics])
+def test_help_ends_every_flag_with_its_default(script, capsys):
+    with pytest.raises(SystemExit):
+        (script.parse_args if hasattr(script, "parse_args") else script.main)(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # unwrapped: the terminal width does not matter
+    assert "(default: None)" not in text and "(default: False)" not in text  # unset flags and switches say nothing
+    assert re.search(r"--seed SEED|--index INDEX|--report", text)  # the flags are there at all
+    if script is rl:
+        assert "--steps STEPS optimizer steps (default: 5)" in text
+        assert re.search(r"--fresh ignore OUT/last and start over(?! \(default)", text)
+    if script is data:
+        assert re.search(r"--users USERS [^-]*\(default: 8000\)", text)
