@@ -611,7 +611,7 @@ def max_new_tokens(train, block=32):
 
 
 def main(argv=None):
-    from model import HelpFormatter  # the shared --help layout (model.py imports nothing of data.py)
+    from model import HelpFormatter  # the shared --help layout; imported here because building data needs no model
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--source", choices=["synthetic", "beauty"], default="synthetic", help="which catalogue to build from")
     ap.add_argument("--raw", help="directory of the real data (JSONL layout or McAuley's 2014 .json.gz files)")
