@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import data
 import eval as metrics
-from decode import COMMIT_RULES, validate
+from decode import COMMIT_HELP, COMMIT_RULES, validate
 from model import (HelpFormatter, Log, add_common_args, diffusion_loss, init_mask_embedding, keep_best, load_best,
                    load_checkpoint, lr_at, resume, save_checkpoint, setup)
 
@@ -59,8 +59,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-complementary", action="store_true",
                     help="do not also train each row with the inverted mask (assumption: complementary masks on)")
     ap.add_argument("--commit", choices=COMMIT_RULES, default="any",  # [diffusion] assumption: any, the paper's decoder
-                    help="decode: which confident positions a step commits: any (METHOD.md 5) or prefix (the leftmost mask "
-                         "and the confident run after it, left to right); saved with the checkpoint, inherited like --sub-block")
+                    help=COMMIT_HELP + "; saved with the checkpoint, inherited like --sub-block")
     add_common_args(ap, steps=0, batch_size=16, lr=7e-4, warmup=50, eval_every=150, val_n=100)
     args = ap.parse_args(argv)
     if not 0 <= args.sub_block <= args.block:

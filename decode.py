@@ -45,6 +45,8 @@ from model import (CLEAN, PAD, PROMPT, HelpFormatter, attention_mask, build_rows
 
 
 COMMIT_RULES = ("any", "prefix")  # [diffusion] which confident positions a step may commit (docstring)
+COMMIT_HELP = ("which confident positions a decoding step commits: any (the paper's rule, METHOD.md 5) or prefix "
+               "(the leftmost mask and the confident run after it, left to right)")
 
 
 @dataclass
@@ -165,6 +167,7 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
     steps = torch.full((B, n_blocks * block), -1, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     nfe = torch.ones(B, dtype=torch.long, device=dev)
+    rows, cols = torch.arange(B, device=dev), torch.arange(block, device=dev)  # indices used at every step
     for b in range(n_blocks):
         lo, hi = b * block, (b + 1) * block
         desc = state.response_desc(lo, block, block)
@@ -185,10 +188,9 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
             tok, conf = pick(pred, temperature, generator)
             if sub_block:  # only the leftmost sub-block with masks may commit
                 first = masked.float().argmax(1, keepdim=True) // sub_block
-                masked = masked & (torch.arange(block, device=dev)[None] // sub_block == first)
+                masked = masked & (cols[None] // sub_block == first)
             conf = torch.where(masked, conf, -1.0)
             sure = (conf >= tau) & masked if tau < 1.0 else torch.zeros_like(masked)
-            rows = torch.arange(B, device=dev)
             if commit == "prefix":  # the leftmost mask, then positions while they are sure: (B, block)
                 sure[rows, masked.float().argmax(1)] |= masked.any(1)
                 chosen = masked & ((sure | ~masked).long().cumprod(1) == 1)  # masks are a suffix here
@@ -267,8 +269,7 @@ def add_decoder_args(ap):  # [diffusion]
     ap.add_argument("--sub-block", type=int, default=None,
                     help="decode with sub-blocks of this size (0 = commit anywhere in the block; default: the parent checkpoint's)")
     ap.add_argument("--commit", choices=COMMIT_RULES, default=None,
-                    help="which confident positions a decoding step commits: any (the paper's rule) or prefix (the "
-                         "leftmost mask and the confident run after it); default: the parent checkpoint's")
+                    help=COMMIT_HELP + "; default: the parent checkpoint's")
 
 
 def inherited_decoder(parent, args):  # [diffusion]
@@ -425,8 +426,7 @@ def main(argv=None):
                     help="sub-block sizes to decode with: commit only inside the leftmost sub-block with masks "
                          "(0 = anywhere in the block; default: the checkpoint's; --show uses the first)")
     ap.add_argument("--commit", choices=COMMIT_RULES, default=None,
-                    help="which confident positions a step commits: any (the paper's rule) or prefix (the leftmost "
-                         "mask and the confident run after it); default: the checkpoint's")
+                    help=COMMIT_HELP + "; default: the checkpoint's")
     ap.add_argument("--json", default=None, help="write the benchmark rows here")
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
     ap.add_argument("--device", default="cpu", help="torch device")
