@@ -40,7 +40,7 @@ import torch
 from transformers import DynamicCache
 
 import eval as metrics
-from model import (CLEAN, PAD, PROMPT, HelpFormatter, attention_mask, build_rows, compute, for_attention,
+from model import (CLEAN, DTYPES, PAD, PROMPT, HelpFormatter, attention_mask, build_rows, compute, for_attention,
                    gather_logits, hidden_states, load_checkpoint, target_sources)
 
 
@@ -284,6 +284,7 @@ def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_si
     """Decode `prompts` in length-sorted batches; returns a Rollout in the input order and the seconds taken."""
     from tqdm import tqdm
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    synchronize(model.device)
     parts, t0 = {}, time.perf_counter()
     batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
     for idx in tqdm(batches, desc=f"decode {mode}" + (f" tau={tau}" if mode == "diffusion" else ""),
@@ -296,6 +297,7 @@ def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_si
                                      tok.pad_token_id, temperature, generator, sub_block=sub_block, commit=commit)
         for k, i in enumerate(idx):
             parts[i] = (out.tokens[k], out.canvas[k] if out.canvas else None, out.steps[k] if out.steps else None, out.nfe[k])
+    synchronize(model.device)
     seconds = time.perf_counter() - t0
     cols = list(zip(*[parts[i] for i in range(len(prompts))]))
     return Rollout(tokens=list(cols[0]), canvas=list(cols[1]), steps=list(cols[2]), nfe=list(cols[3])), seconds
@@ -332,18 +334,32 @@ def validate(model, tok, valid, sid, mode, block, max_new, batch, sub_block=0, c
 
 
 # ----------------------------------------------------------------------------- benchmark
+def synchronize(device):
+    """A GPU runs kernels asynchronously: wait for them before reading a clock (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.no_grad()
-def forward_cost_ratio(model, prompt, block, repeats=20):
-    """Seconds of one B-token block forward over one 1-token AR step, both against the same cached prompt."""
-    state = CachedModel(model, [prompt], 0)
+def forward_seconds(model, prompts, sizes, repeats=20):
+    """{n: seconds of one forward of n new tokens per row} against the same cached prompts, for n in `sizes`."""
+    state = CachedModel(model, prompts, 0)
     times = {}
-    for n in (1, block, 1, block):  # alternate, keep the second round (warm)
+    for n in list(sizes) * 2:  # alternate, keep the second round (warm)
         desc = state.response_desc(0, n, n)
-        ids = torch.zeros(1, n, dtype=torch.long, device=model.device)
+        ids = torch.zeros(len(prompts), n, dtype=torch.long, device=model.device)
+        synchronize(model.device)
         t0 = time.perf_counter()
         for _ in range(repeats):
             state.forward(ids, desc, keep=False)
+        synchronize(model.device)
         times[n] = (time.perf_counter() - t0) / repeats
+    return times
+
+
+def forward_cost_ratio(model, prompt, block, repeats=20):
+    """Seconds of one B-token block forward over one 1-token AR step, both against the same cached prompt."""
+    times = forward_seconds(model, [prompt], (1, block), repeats)
     return times[block] / times[1]
 
 
@@ -353,6 +369,9 @@ def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, m
     chunk by chunk so that every decoder sees the same machine load. Returns the rows of the speed table."""
     configs = [("ar", None, None, None)] + [("diffusion", t, b, sb) for b in blocks for sb in sub_blocks for t in taus]
     rows = []
+    for c in configs:  # one untimed decode each: one-off costs (CUDA start-up, kernel choice) would land on AR, run first
+        generate(ar_model if c[0] == "ar" else diff_model, tok, [examples[0]["prompt_ids"]], c[0], c[2] or 32, c[1] or 1.0,
+                 max_new, 1, sub_block=c[3] or 0, commit=commit)
     for bs in batch_sizes:
         acc = {c: {"tokens": 0, "nfe": 0, "seconds": 0.0, "texts": []} for c in configs}
         for s in range(0, len(examples), bs):
@@ -429,6 +448,8 @@ def main(argv=None):
                     help=COMMIT_HELP + "; default: the checkpoint's")
     ap.add_argument("--json", default=None, help="write the benchmark rows here")
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                    help="float32; bf16-mixed (float32 weights, bfloat16 compute); bfloat16")
     ap.add_argument("--device", default="cpu", help="torch device")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     args = ap.parse_args(argv)
@@ -437,14 +458,15 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     import data
     if args.show:
-        model, tok, stage = load_checkpoint(args.ckpt, args.attn)
+        model, tok, stage = load_checkpoint(args.ckpt, args.attn, args.dtype)
         test, _ = data.load_split(args.data, "test", args.index + 1)
         show(model.to(args.device).eval(), tok, test[args.index], args.blocks[0] if args.blocks else stage["block_size"],
              args.tau, stage["max_new"], args.sub_blocks[0] if args.sub_blocks else stage.get("sub_block", 0),
              args.commit or stage.get("commit", "any"))
     elif args.bench:
-        ar_model, tok, _ = load_checkpoint(args.ar, args.attn)
-        diff_model, _, stage = load_checkpoint(args.diffusion, args.attn)
+        ar_model, tok, _ = load_checkpoint(args.ar, args.attn, args.dtype)
+        diff_model, _, stage = load_checkpoint(args.diffusion, args.attn, args.dtype)
+        ar_model, diff_model = ar_model.to(args.device), diff_model.to(args.device)
         test, sid = data.load_split(args.data, "test", args.n)
         blocks = args.blocks or [stage["block_size"]]
         ratio = {b: forward_cost_ratio(diff_model.eval(), test[0]["prompt_ids"], b) for b in blocks}
@@ -453,7 +475,7 @@ def main(argv=None):
                      sub_blocks=args.sub_blocks or [stage.get("sub_block", 0)], commit=args.commit or stage.get("commit", "any"))
         result = {"ar": {str(r["batch"]): r for r in rows if r["decoder"] == "ar"},  # keyed by batch size
                   "diffusion": [r for r in rows if r["decoder"] != "ar"],
-                  "forward_cost_ratio": ratio, "device": args.device, "threads": torch.get_num_threads()}
+                  "forward_cost_ratio": ratio, "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads()}
         if args.json:
             metrics.write_atomic(args.json, json.dumps(result, indent=2))
     else:

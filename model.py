@@ -48,12 +48,15 @@ PAD, PROMPT, CLEAN, NOISY = 0, 1, 2, 3
 # bfloat16 autocast: the GPU choice for training, since pure bfloat16 weights round away any update smaller
 # than about 1/256 of the weight (at lr 1e-6 most of them).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16-mixed": torch.float32}
-# Random-init presets for CPU work. 'tiny' is the default: sized so the whole synthetic pipeline trains on
-# 2 CPU cores (1.3M parameters with the synthetic vocabulary); 'micro' only runs the mechanics in tests.
+# Random-init presets. 'tiny' is the default: sized so the whole synthetic pipeline trains on 2 CPU cores
+# (1.3M parameters with the synthetic vocabulary); 'micro' only runs the mechanics in tests; 'qwen3-0.6b'
+# has Qwen/Qwen3-0.6B's shape (its config.json) with random weights: time and memory checks without a download.
 PRESETS = {"tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=32),
            "micro": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=16)}
+                         num_key_value_heads=1, head_dim=16),
+           "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                              num_key_value_heads=8, head_dim=128)}
 
 
 # ----------------------------------------------------------------------------- models and checkpoints
@@ -227,6 +230,8 @@ class Log:
             self.path.unlink()
 
     def __call__(self, **rec):
+        if torch.cuda.is_available():  # the number a GPU user sizes --batch-size / --rows by
+            rec["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         return rec

@@ -20,7 +20,7 @@ a run in which RL only hurts ships what it was given and says so (`--trained-onl
     python rl.py --data data/synthetic --init out/opd --out out/rl                 # CPU (~12 min)
     python rl.py --data data/synthetic --init out/sft --out out/rl-ar --policy ar  # GR2's AR RL
     python rl.py --data data/synthetic-qwen3 --init out/opd-qwen --out out/rl-qwen \\
-        --dtype bf16-mixed --device cuda --lr 5e-7 --steps 600 --warmup 20 --eval-every 50   # one GPU
+        --dtype bf16-mixed --device cuda --rows 16 --lr 5e-7 --steps 100 --warmup 5 --eval-every 25   # one GPU
 """
 import argparse
 import time

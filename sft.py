@@ -31,7 +31,7 @@ from model import HelpFormatter, Log, add_common_args, ar_loss, create_model, ke
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--out", default="out/sft", help="checkpoint folder to write (best model, metrics, log)")
-    ap.add_argument("--model", default="tiny", help="'tiny' or 'micro' (random init, model.PRESETS), a hub id or a local folder")
+    ap.add_argument("--model", default="tiny", help="a random-init preset (model.PRESETS: tiny, micro, qwen3-0.6b), a hub id or a local folder")
     ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     ap.add_argument("--max-new", type=int, default=0, help="decode budget in tokens for every stage (0 = 1.25x the longest trace)")
     add_common_args(ap, steps=1200, batch_size=32, lr=3e-3, warmup=60, eval_every=150, val_n=200)

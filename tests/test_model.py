@@ -165,3 +165,15 @@ def test_bf16_mixed_keeps_float32_weights_and_computes_in_bfloat16():
     hook.remove()
     assert seen == [torch.bfloat16] and all(p.dtype == torch.float32 for p in mixed.parameters())
     assert approx.dtype == torch.float32 and 0 < (approx - exact).abs().max() < 0.1  # bf16 rounding, nothing worse
+
+
+def test_the_qwen3_preset_has_the_shape_of_the_model_card():
+    """Qwen/Qwen3-0.6B's card: 28 layers, 16 query / 8 KV heads, 0.44B parameters besides the embedding."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    from model import PRESETS
+    cfg = Qwen3Config(vocab_size=151936, tie_word_embeddings=True, **PRESETS["qwen3-0.6b"])
+    with torch.device("meta"):  # the shape without the memory
+        model = AutoModelForCausalLM.from_config(cfg)
+    non_embedding = sum(p.numel() for p in model.parameters()) - 151936 * cfg.hidden_size
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (28, 16, 8)
+    assert round(non_embedding / 1e9, 2) == 0.44

@@ -17,7 +17,7 @@ import model as model_lib
 import opd
 import rl
 import sft
-from conftest import SHARED
+from conftest import ROOT, SHARED
 from model import load_checkpoint
 
 QWEN = SHARED / "qwen3-tokenizer"
@@ -185,3 +185,39 @@ def test_help_ends_every_flag_with_its_default(script, capsys):
         assert re.search(r"--fresh ignore OUT/last and start over(?! \(default)", text)
     if script is data:
         assert re.search(r"--users USERS [^-]*\(default: 8000\)", text)
+
+
+def test_decode_bench_writes_its_rows_on_the_requested_device_and_dtype(word_run, tmp_path):
+    d, out = word_run
+    path = tmp_path / "bench.json"
+    decode.main(["--bench", "--ar", str(out / "sft"), "--diffusion", str(out / "rl"), "--data", str(d), "--n", "2",
+                 "--taus", "0.9", "--batch-sizes", "1", "--dtype", "bf16-mixed", "--json", str(path)])
+    res = json.loads(path.read_text())
+    assert res["device"] == "cpu" and res["dtype"] == "bf16-mixed" and res["forward_cost_ratio"]["8"] > 0
+    row = res["diffusion"][0]
+    assert row["tau"] == 0.9 and row["n"] == 2 and row["tokens_per_forward"] > 0 and res["ar"]["1"]["speedup"] == 1.0
+
+
+def test_forward_seconds_times_every_size_against_the_same_cache(word_run):
+    d, out = word_run
+    model = load_checkpoint(out / "rl")[0].eval()
+    prompts = [ex["prompt_ids"] for ex in data.load_split(d, "test", 2)[0]]
+    times = decode.forward_seconds(model, prompts, (1, 8), repeats=2)
+    assert set(times) == {1, 8} and all(t > 0 for t in times.values())
+
+
+def test_gpu_preset_probe_measures_every_part_on_the_cpu(word_run, tmp_path):
+    """docs/gpu_preset.py made the README's GPU numbers; here it runs its mechanics with a micro model."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_preset", ROOT / "docs" / "gpu_preset.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    d, _ = word_run
+    res = probe.main(["--data", str(d), "--model", "micro", "--dtype", "float32", "--device", "cpu", "--batch-size", "2",
+                      "--prompts-per-step", "1", "--group", "2", "--chunk", "2", "--rows", "2", "4", "--block", "8",
+                      "--max-new", "16", "--repeats", "1", "--json", str(tmp_path / "p.json")])
+    assert json.loads((tmp_path / "p.json").read_text()) == res
+    for part in ("sft_step", "cft_step", "opd_rollout", "opd_chunk_rows2", "opd_chunk_rows4"):
+        assert res[part]["seconds"] > 0 and res[part]["peak_gib"] is None, part  # no GPU memory on the CPU
+    assert res["opd_rollout"]["trajectories"] == 2 and res["opd_replay_rows"] > 0
+    assert res["decoder_forward_batch16"]["ratio"] > 0
