@@ -50,7 +50,8 @@ PAD, PROMPT, CLEAN, NOISY = 0, 1, 2, 3
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16-mixed": torch.float32}
 # Random-init presets. 'tiny' is the default: sized so the whole synthetic pipeline trains on 2 CPU cores
 # (1.3M parameters with the synthetic vocabulary); 'micro' only runs the mechanics in tests; 'qwen3-0.6b'
-# has Qwen/Qwen3-0.6B's shape (its config.json) with random weights: time and memory checks without a download.
+# has Qwen/Qwen3-0.6B's layer sizes (not its RoPE settings) with random weights: time and memory checks
+# without a download (docs/gpu_preset.py).
 PRESETS = {"tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=32),
            "micro": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -10,7 +10,8 @@ tokenized with the real Qwen3 tokenizer. Random weights say nothing about qualit
 
 With the preset's settings (bf16-mixed: float32 weights, gradients and AdamW state, bfloat16 compute),
 each with its seconds and its peak GPU memory:
-- one SFT step (batch 16, model.ar_loss) and one CFT step (batch 16, model.diffusion_loss);
+- one SFT step (batch 16, model.ar_loss) and one CFT step (batch 16, model.diffusion_loss): loss,
+  backward and AdamW, as the stages do them less the gradient clipping;
 - one rollout batch of OPD (prompts per step x G' trajectories, decode.generate at tau 0.9); a random
   model commits one token per forward, so it also gives the seconds per decoder forward at that batch;
 - one OPD chunk (opd.opd_losses): the teacher's forward over --chunk trajectories and the backward
