@@ -17,7 +17,10 @@ the block is still run whole, but it is filled a few positions at a time, left t
 *prefix* commit rule (a checkpoint's `commit`, "any" = the paper's rule) a position may only be committed
 together with every masked position to its left: each step commits the leftmost mask and the unbroken
 run of confident positions after it, so the block fills strictly left to right, several tokens per
-forward where the model is sure (tau = 1.0: one token per forward, in AR order). When the
+forward where the model is sure (tau = 1.0: one token per forward, in AR order). The *joint* rules
+("joint": most confident first, "prefix-joint": left to right) commit while the product of the committed
+confidences stays >= tau, not while each one does: were the positions independent, a step would commit a
+wrong token with a chance of at most 1 - tau however many positions it commits. When the
 block has no masks left it is run once more to write its K/V into the cache (the commit forward); its last logit
 predicts the next block's first token. A row stops as soon as its end token is committed with every
 position before it filled. Batched: left-padded prompts, each row commits its own positions.
@@ -32,6 +35,7 @@ a bounded number of canvases at a time. OPD and RL train through exactly these t
 """
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,13 +44,14 @@ import torch
 from transformers import DynamicCache
 
 import eval as metrics
-from model import (CLEAN, DTYPES, PAD, PROMPT, HelpFormatter, attention_mask, build_rows, compute, for_attention,
-                   gather_logits, hidden_states, load_checkpoint, target_sources)
+from model import (CLEAN, DTYPE_HELP, DTYPES, PAD, PROMPT, HelpFormatter, attention_mask, build_rows, compute,
+                   for_attention, gather_logits, hidden_states, load_checkpoint, target_sources)
 
 
-COMMIT_RULES = ("any", "prefix")  # [diffusion] which confident positions a step may commit (docstring)
-COMMIT_HELP = ("which confident positions a decoding step commits: any (the paper's rule, METHOD.md 5) or prefix "
-               "(the leftmost mask and the confident run after it, left to right)")
+COMMIT_RULES = ("any", "prefix", "joint", "prefix-joint")  # [diffusion] which confident positions a step may commit (docstring)
+COMMIT_HELP = ("which confident positions a decoding step commits: any (the paper's rule, METHOD.md 5), prefix "
+               "(the leftmost mask and the confident run after it, left to right), or joint / prefix-joint (the same "
+               "orders, while the product of the committed confidences stays >= tau)")
 
 
 @dataclass
@@ -152,8 +157,8 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
     use_cache=False recomputes the whole sequence at every step (the reference the cache must match).
     sub_block > 0 only commits inside the leftmost sub-block of that size that still has masks
     (Fast-dLLM v2's small blocks); 0 lets any masked position of the block be committed.
-    commit="prefix" commits the leftmost mask and the run of positions >= tau right after it (module
-    docstring); "any" commits every position >= tau and at least the most confident one (METHOD.md 5).
+    commit picks which positions a step commits (`choose`): "any" is the paper's rule (METHOD.md 5),
+    "prefix" fills the block left to right, "joint" / "prefix-joint" bound the product of the confidences.
     on_step(block, step, canvas, committed, logits) is called after every step (viewer, tests).
     """
     if not 0 <= sub_block <= block:
@@ -167,7 +172,7 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
     steps = torch.full((B, n_blocks * block), -1, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     nfe = torch.ones(B, dtype=torch.long, device=dev)
-    rows, cols = torch.arange(B, device=dev), torch.arange(block, device=dev)  # indices used at every step
+    cols = torch.arange(block, device=dev)  # position in the block, used at every step
     for b in range(n_blocks):
         lo, hi = b * block, (b + 1) * block
         desc = state.response_desc(lo, block, block)
@@ -189,14 +194,7 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
             if sub_block:  # only the leftmost sub-block with masks may commit
                 first = masked.float().argmax(1, keepdim=True) // sub_block
                 masked = masked & (cols[None] // sub_block == first)
-            conf = torch.where(masked, conf, -1.0)
-            sure = (conf >= tau) & masked if tau < 1.0 else torch.zeros_like(masked)
-            if commit == "prefix":  # the leftmost mask, then positions while they are sure: (B, block)
-                sure[rows, masked.float().argmax(1)] |= masked.any(1)
-                chosen = masked & ((sure | ~masked).long().cumprod(1) == 1)  # masks are a suffix here
-            else:
-                chosen = sure
-                chosen[rows, conf.argmax(1)] |= masked.any(1)  # at least the most confident one
+            chosen = choose(torch.where(masked, conf, -1.0), masked, tau, commit)
             canvas[:, lo:hi] = torch.where(chosen, tok, canvas[:, lo:hi])
             steps[:, lo:hi] = torch.where(chosen, s, steps[:, lo:hi])
             done |= finished(canvas[:, :hi], mask_id, eos_id)
@@ -213,6 +211,40 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
         end = row.index(eos_id) + 1 if eos_id in row else len(row)
         tokens.append(row[:end])
     return Rollout(tokens=tokens, canvas=canvas.tolist(), steps=steps.tolist(), nfe=nfe.tolist())
+
+
+def choose(conf, masked, tau, commit):  # [diffusion]
+    """Which masked positions one step commits: (B, block) bool. conf (B, block) is each position's
+    confidence, -1 where it may not commit. Every rule commits at least one position per row with masks.
+
+    any:          every position >= tau, and at least the most confident one (METHOD.md 5)
+    prefix:       the leftmost mask, then the unbroken run of positions >= tau right after it
+    joint:        most confident first, while the product of the committed confidences stays >= tau
+    prefix-joint: left to right from the leftmost mask, while that product stays >= tau
+    The joint rules bound the chance that a step commits a wrong token (if the positions were independent,
+    it is at most 1 - tau) instead of each position's own chance, so a step can no longer commit ten
+    tokens at 0.95 each that depend on one another (the mixed SIDs of the README).
+    """
+    left_to_right = commit.startswith("prefix")
+    # the position every rule commits first: the leftmost mask, or the most confident one
+    first = masked.float().argmax(1) if left_to_right else conf.argmax(1)
+    rows = torch.arange(conf.shape[0], device=conf.device)
+    if tau >= 1.0:  # one token per step (a float32 softmax can round to exactly 1.0: not a >= test)
+        chosen = torch.zeros_like(masked)
+    elif commit == "any":
+        chosen = conf >= tau
+    elif commit == "prefix":  # masks are a suffix of the block here, so a run from the left is what may commit
+        sure = conf >= tau
+        sure[rows, first] = True
+        chosen = masked & ((sure | ~masked).long().cumprod(1) == 1)
+    else:  # joint, prefix-joint: a cumulative sum of log-confidences along the rule's order
+        log_conf = torch.where(masked, conf.clamp_min(1e-30).log(), 0.0)
+        order = (torch.arange(conf.shape[1], device=conf.device).expand_as(conf) if left_to_right
+                 else conf.argsort(dim=1, descending=True, stable=True))
+        along = log_conf.gather(1, order).cumsum(1) >= math.log(tau)
+        chosen = masked & torch.zeros_like(masked).scatter(1, order, along)
+    chosen[rows, first] |= masked.any(1)
+    return chosen
 
 
 def finished(canvas, mask_id, eos_id):
@@ -397,7 +429,7 @@ def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, m
 
 
 def format_row(r):
-    sub = (f"/{r['sub_block']}" if r.get("sub_block") else "") + (" prefix" if r.get("commit") == "prefix" else "")
+    sub = (f"/{r['sub_block']}" if r.get("sub_block") else "") + (f" {r['commit']}" if r.get("commit", "any") != "any" else "")
     name = "AR" if r["decoder"] == "ar" else f"diffusion B={r['block']}{sub} tau={r['tau']}"
     return (f"{name:<26} batch {r['batch']:>3} | {r['tokens_per_s']:8.1f} tok/s | {r['tokens_per_forward']:5.2f} tok/fwd | "
             f"speed-up {r['speedup']:5.2f}x | valid {r['valid_rate']:.3f} | R@1 {r['recall@1']:.3f}")
@@ -449,7 +481,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the benchmark rows here")
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES),
-                    help="float32; bf16-mixed (float32 weights, bfloat16 compute); bfloat16")
+                    help=DTYPE_HELP)
     ap.add_argument("--device", default="cpu", help="torch device")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     args = ap.parse_args(argv)

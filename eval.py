@@ -544,8 +544,10 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
         lines += ["", f"## Table 2: decoding speed, AR against `{final}` (first {bench_n} test prompts, this machine)", "",
                   f"One block forward costs {ratio:.2f}x a 1-token AR step here (batch 1). Block {st['block_size']}"
                   + (f", commits only inside the leftmost sub-block of {t2_sub} with masks" if t2_sub else "")
-                  + (", commits only the leftmost mask and the confident run after it (prefix rule)." if t2_commit == "prefix"
-                     else "."), "",
+                  + {"prefix": ", commits only the leftmost mask and the confident run after it (prefix rule).",
+                     "joint": ", commits the most confident positions while the product of their confidences is >= tau (joint rule).",
+                     "prefix-joint": ", commits left to right from the leftmost mask while the product of the confidences is >= tau "
+                                     "(prefix-joint rule)."}.get(t2_commit, "."), "",
                   "| decoder | batch | Recall@1 | valid rate | tokens/s | tokens per forward | speed-up |", "|---|---|---|---|---|---|---|"]
         for r in t2:
             name = "AR" if r["decoder"] == "ar" else f"diffusion tau = {r['tau']}"

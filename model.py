@@ -48,6 +48,7 @@ PAD, PROMPT, CLEAN, NOISY = 0, 1, 2, 3
 # bfloat16 autocast: the GPU choice for training, since pure bfloat16 weights round away any update smaller
 # than about 1/256 of the weight (at lr 1e-6 most of them).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16-mixed": torch.float32}
+DTYPE_HELP = "float32; bf16-mixed (float32 weights, bfloat16 compute: GPU training); bfloat16 (pure)"
 # Random-init presets. 'tiny' is the default: sized so the whole synthetic pipeline trains on 2 CPU cores
 # (1.3M parameters with the synthetic vocabulary); 'micro' only runs the mechanics in tests; 'qwen3-0.6b'
 # has Qwen/Qwen3-0.6B's layer sizes (not its RoPE settings) with random weights: time and memory checks
@@ -205,7 +206,7 @@ def add_common_args(ap, **defaults):
     ap.add_argument("--eval-batch", type=int, default=64, help="decoding batch size")
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES),
-                    help="float32; bf16-mixed (float32 weights, bfloat16 compute: GPU training); bfloat16 (pure)")
+                    help=DTYPE_HELP)
     ap.add_argument("--device", default="cpu", help="torch device")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     ap.add_argument("--seed", type=int, default=0, help="seed for the init, the batch order and the noise")

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import EOS, MASK, PAD, random_prompts, tiny
-from decode import ar_generate, diffusion_generate, replay_chunks, replay_rows
+from decode import COMMIT_RULES, ar_generate, choose, diffusion_generate, replay_chunks, replay_rows
 
 
 def gen(model, prompts, block, tau, max_new=24, **kw):
@@ -19,7 +19,7 @@ def test_block_size_one_is_ar_greedy(attn):
     assert bd.nfe == ar.nfe  # with B = 1 every forward is a commit forward: exactly AR's count
 
 
-@pytest.mark.parametrize("commit", ["any", "prefix"])
+@pytest.mark.parametrize("commit", COMMIT_RULES)
 def test_cache_and_no_cache_decode_the_same(attn, commit):
     model = tiny(attn, sharpen=30.0)  # confident logits: several commits per step
     prompts = random_prompts(3, 4, 14)
@@ -122,12 +122,49 @@ def test_prefix_rule_at_tau_one_is_left_to_right_one_token_per_step():
         assert all(s == j % 4 for j, s in enumerate(steps) if s >= 0)  # position j of a block at step j
 
 
+def test_commit_rules_on_hand_made_confidences():
+    # four masked positions at 0.95, 0.95, 0.95, 0.5 and tau 0.9: products 0.95, 0.9025, 0.857, ...
+    conf, masked = torch.tensor([[0.95, 0.95, 0.95, 0.5]]), torch.ones(1, 4, dtype=torch.bool)
+    picked = {rule: choose(conf, masked, 0.9, rule)[0].tolist() for rule in COMMIT_RULES}
+    assert picked == {"any": [True, True, True, False], "prefix": [True, True, True, False],
+                      "joint": [True, True, False, False], "prefix-joint": [True, True, False, False]}
+    # an unsure leftmost mask (0.5) is still committed by the prefix rules; only prefix goes on past it
+    conf = torch.tensor([[-1.0, 0.5, 0.99, 0.97]])  # position 0 is already filled
+    masked = torch.tensor([[False, True, True, True]])
+    picked = {rule: choose(conf, masked, 0.9, rule)[0].tolist() for rule in COMMIT_RULES}
+    assert picked == {"any": [False, False, True, True], "prefix": [False, True, True, True],
+                      "joint": [False, False, True, True], "prefix-joint": [False, True, False, False]}
+    # nothing sure: every rule commits exactly one position; a row without masks commits nothing
+    conf, masked = torch.tensor([[0.3, 0.6, 0.4], [-1.0, -1.0, -1.0]]), torch.tensor([[True] * 3, [False] * 3])
+    for rule in COMMIT_RULES:
+        assert choose(conf, masked, 0.9, rule).sum(1).tolist() == [1, 0], rule
+        assert choose(torch.tensor([[1.0, 1.0, 1.0]]), masked[:1], 1.0, rule).sum().item() == 1, rule  # tau 1: one
+
+
+@pytest.mark.parametrize("commit", ["joint", "prefix-joint"])
+def test_joint_rules_keep_the_product_of_a_steps_confidences_above_tau(commit):
+    model = tiny(sharpen=30.0)
+    prompts, tau, sizes = random_prompts(3, 4, 14), 0.7, []
+
+    def check(b, s, canvas, committed, pred):
+        conf = pred.softmax(-1).amax(-1)
+        for i in range(len(prompts)):
+            cols = committed[i].nonzero()[:, 0]
+            assert len(cols) <= 1 or conf[i, cols].prod() >= tau  # one forced commit, or a product >= tau
+            sizes.append(len(cols))
+
+    gen(model, prompts, block=8, tau=tau, max_new=32, commit=commit, on_step=check)
+    assert max(sizes) > 1  # several positions committed in one forward happened
+    left_to_right = gen(model, prompts, block=8, tau=1.0, commit="prefix-joint")  # tau 1: the prefix rule exactly
+    assert left_to_right.tokens == gen(model, prompts, block=8, tau=1.0, commit="prefix").tokens
+
+
 def test_an_unknown_commit_rule_is_refused():
     with pytest.raises(ValueError, match="commit must be one of"):
         gen(tiny(), random_prompts(1), block=4, tau=0.9, commit="random")
 
 
-@pytest.mark.parametrize("sub_block,commit", [(0, "any"), (2, "any"), (0, "prefix")])
+@pytest.mark.parametrize("sub_block,commit", [(0, "any"), (2, "any"), (0, "prefix"), (0, "joint"), (2, "prefix-joint")])
 def test_replayed_logits_equal_the_decoders_logits_at_commit_time(attn, sub_block, commit):
     model = tiny(attn, sharpen=30.0)
     prompts = random_prompts(2, 5, 12)
