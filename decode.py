@@ -241,7 +241,7 @@ def choose(conf, masked, tau, commit):  # [diffusion]
         log_conf = torch.where(masked, conf.clamp_min(1e-30).log(), 0.0)
         order = (torch.arange(conf.shape[1], device=conf.device).expand_as(conf) if left_to_right
                  else conf.argsort(dim=1, descending=True, stable=True))
-        along = log_conf.gather(1, order).cumsum(1) >= math.log(tau)
+        along = log_conf.gather(1, order).cumsum(1) >= (math.log(tau) if tau > 0 else -math.inf)  # tau 0: all
         chosen = masked & torch.zeros_like(masked).scatter(1, order, along)
     chosen[rows, first] |= masked.any(1)
     return chosen
