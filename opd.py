@@ -22,6 +22,7 @@ everything before it clean and the rest of its block masked, instead of the repl
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -158,17 +159,20 @@ def main(argv=None):
 
     student, tok, stage = load_best(out, args, "OPD", t0)
     result = metrics.run_test(out, student, tok, test, sid, "diffusion", block, max_new, args.eval_batch, TAUS, args.tau_n, **dec)
-    teacher_preds = metrics.read_jsonl(f"{args.teacher}/predictions.jsonl")
     result["kl_to_teacher"] = {"init": state["kl_init"],
                                "final": test_kl(student, teacher, tok, kl_examples, block, max_new, 16, **dec)}
-    result["teacher_agreement"] = {  # init: the parent's own test answers (decoded with the parent's decoder)
-        "init": metrics.agreement(metrics.read_jsonl(f"{args.init}/predictions.jsonl"), teacher_preds),
-        "final": metrics.agreement(metrics.read_jsonl(out / "predictions.jsonl"), teacher_preds)}
-    metrics.write_atomic(out / "metrics.json", json.dumps(result, indent=2))
     print("test KL to the teacher: {init:.4f} (CFT) -> {final:.4f} (OPD)".format(**result["kl_to_teacher"]))
-    for k in ("init", "final"):
-        a = result["teacher_agreement"][k]
-        print(f"agreement with the teacher's rankings ({k}): top-1 {a['top1_agreement']:.3f}, Kendall tau {a['kendall_tau']:.3f}")
+    answers = {"teacher": args.teacher, "init": args.init, "final": out}  # each run's test answers (the stage convention)
+    missing = [str(run) for run in answers.values() if not (Path(run) / "predictions.jsonl").exists()]
+    if missing:  # a parent stopped before its test (interrupted): no rankings to compare, the rest stands
+        print(f"note: no predictions.jsonl in {', '.join(missing)}: agreement with the teacher not computed")
+    else:
+        preds = {k: metrics.read_jsonl(Path(run) / "predictions.jsonl") for k, run in answers.items()}
+        result["teacher_agreement"] = {k: metrics.agreement(preds[k], preds["teacher"]) for k in ("init", "final")}
+        for k, a in result["teacher_agreement"].items():  # init: the parent's answers, decoded with its own decoder
+            print(f"agreement with the teacher's rankings ({k}): top-1 {a['top1_agreement']:.3f}, "
+                  f"Kendall tau {a['kendall_tau']:.3f}")
+    metrics.write_atomic(out / "metrics.json", json.dumps(result, indent=2))
     return result
 
 

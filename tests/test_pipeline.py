@@ -5,6 +5,7 @@ copy is present), so the hub-model path cannot rot.
 """
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -155,6 +156,18 @@ def test_qwen3_tokenizer_pipeline(tmp_path):
     check_outputs(d, out)
     _, tok, _ = load_checkpoint(out / "rl")
     assert tok.mask_token_id == 151669 and len(tok) > 151669
+
+
+def test_opd_from_a_parent_without_test_answers_skips_only_the_teacher_agreement(word_run, tmp_path):
+    d, out = word_run
+    assert {"kl_to_teacher", "teacher_agreement"} <= set(json.loads((out / "opd" / "metrics.json").read_text()))
+    parent = tmp_path / "cft"  # a CFT run stopped before its test: a checkpoint, no predictions.jsonl
+    shutil.copytree(out / "cft", parent, ignore=shutil.ignore_patterns("predictions*.jsonl", "metrics.json"))
+    opd.main(["--data", str(d), "--val-n", "2", "--eval-batch", "4", "--init", str(parent), "--teacher", str(out / "sft"),
+              "--out", str(tmp_path / "opd"), "--steps", "1", "--prompts-per-step", "1", "--group", "2", "--kl-n", "2",
+              "--test-n", "2"])
+    m = json.loads((tmp_path / "opd" / "metrics.json").read_text())
+    assert "kl_to_teacher" in m and "teacher_agreement" not in m and m["n"] == 2
 
 
 def test_rl_keeps_the_starting_weights_unless_a_checkpoint_beats_them(word_run, tmp_path):
