@@ -6,13 +6,15 @@
 #   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # ~100 min, cut short
 #   bash run.sh --sub-block 8 --out out-sb8         # decode in sub-blocks of 8 (Fast-dLLM v2), OPD and RL too
 #   bash run.sh --commit prefix --out out-px        # commit only confident runs from the leftmost mask, OPD and RL too
+#   bash run.sh --commit prefix --cft-epochs 7 --device cuda --out out-gpu   # one GPU: the longer CFT that meets
+#                                                   # the targets (README: Trained longer on a GPU)
 #
 # A finished stage (its metrics.json exists) is skipped; an interrupted one resumes from its OUT/<stage>/last.
 # Every stage is also a script of its own: see the commands this prints.
 set -euo pipefail
 cd "$(dirname "$0")"
 
-SOURCE=synthetic RAW="" OUT="" QUICK=0 SUB=0 COMMIT=any
+SOURCE=synthetic RAW="" OUT="" QUICK=0 SUB=0 COMMIT=any DEVICE=cpu CFT_EPOCHS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --data) SOURCE="$2"; shift 2 ;;
@@ -21,7 +23,9 @@ while [ $# -gt 0 ]; do
     --quick) QUICK=1; shift ;;
     --sub-block) SUB="$2"; shift 2 ;;
     --commit) COMMIT="$2"; shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    --device) DEVICE="$2"; shift 2 ;;          # every stage and the report (cpu, cuda, cuda:1, ...)
+    --cft-epochs) CFT_EPOCHS="$2"; shift 2 ;;  # CFT's passes over the traces (cft.py's default: 2)
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -40,6 +44,7 @@ else
   OUT="${OUT:-out}"; DATA_ARGS=""; SFT=""; CFT=""; OPD=""; RL=""; REPORT=""
 fi
 [ -n "$RAW" ] && DATA_ARGS="$DATA_ARGS --raw $RAW"
+[ -n "$CFT_EPOCHS" ] && CFT="$CFT --epochs $CFT_EPOCHS"  # last on the line: it wins over a preset's --epochs
 if [ "$SOURCE" = beauty ] && [ "$QUICK" = 0 ]; then
   # Amazon Beauty cut to fit a 2-core CPU (about 100 minutes): its vocabulary is 10x the synthetic one and its
   # traces longer, so a step costs ~2x more. A seeded 500-example test subset; every stage much shorter
@@ -63,11 +68,12 @@ if [ ! -f "$DATA/stats.json" ]; then
   echo "== data: python data.py --source $SOURCE --out $DATA $DATA_ARGS"
   python data.py --source "$SOURCE" --out "$DATA" $DATA_ARGS
 fi
-stage sft   python sft.py --data "$DATA" --out "$OUT/sft" $SFT
-stage naive python cft.py --data "$DATA" --init "$OUT/sft" --out "$OUT/naive" --epochs 0 --tau-n 100 --sub-block "$SUB" --commit "$COMMIT"
-stage cft   python cft.py --data "$DATA" --init "$OUT/sft" --out "$OUT/cft" --sub-block "$SUB" --commit "$COMMIT" $CFT  # opd, rl inherit it
-stage opd   python opd.py --data "$DATA" --init "$OUT/cft" --teacher "$OUT/sft" --out "$OUT/opd" $OPD
-stage rl    python rl.py  --data "$DATA" --init "$OUT/opd" --out "$OUT/rl" $RL
-echo "== report: python eval.py --report --run $OUT --data $DATA $REPORT"
-python eval.py --report --run "$OUT" --data "$DATA" $REPORT
+D="--data $DATA --device $DEVICE"
+stage sft   python sft.py $D --out "$OUT/sft" $SFT
+stage naive python cft.py $D --init "$OUT/sft" --out "$OUT/naive" --epochs 0 --tau-n 100 --sub-block "$SUB" --commit "$COMMIT"
+stage cft   python cft.py $D --init "$OUT/sft" --out "$OUT/cft" --sub-block "$SUB" --commit "$COMMIT" $CFT  # opd, rl inherit it
+stage opd   python opd.py $D --init "$OUT/cft" --teacher "$OUT/sft" --out "$OUT/opd" $OPD
+stage rl    python rl.py  $D --init "$OUT/opd" --out "$OUT/rl" $RL
+echo "== report: python eval.py --report --run $OUT $D $REPORT"
+python eval.py --report --run "$OUT" $D $REPORT
 echo "== pipeline finished in $(( (SECONDS - T0) / 60 )) min: $OUT/results.md"
