@@ -1,5 +1,5 @@
 #!/bin/bash
-# The two GPU training runs of the README's "Trained on a GPU" section, as they ran on one H200
+# The two GPU training runs of the README's "Trained longer on a GPU" section, as they ran on one H200
 # (torch 2.11 + CUDA 13 there; transformers 5.24.0, datasets 5.2.0, dill, multiprocess carried as wheels
 # in .whl/, since that machine reaches no package index). gpu/sft and gpu/cft2 are copies of build 2's
 # out/sft and out/cft (weights, config, tokenizer: no optimizer state), carried there with data/synthetic.
