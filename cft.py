@@ -32,8 +32,8 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import COMMIT_HELP, COMMIT_RULES, validate
-from model import (HelpFormatter, Log, add_common_args, diffusion_loss, init_mask_embedding, keep_best, load_best,
-                   load_checkpoint, lr_at, resume, save_checkpoint, setup)
+from model import (HelpFormatter, Log, add_common_args, batch_indices, collate, diffusion_loss, init_mask_embedding,
+                   keep_best, load_best, load_checkpoint, lr_at, resume, save_checkpoint, setup)
 
 TAUS = (0.9, 0.6, 0.4)  # the paper's speed settings, reported next to tau = 1.0
 
@@ -104,7 +104,7 @@ def main(argv=None):
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="cft", dynamic_ncols=True)
     for step in bar:
         model.train()
-        batch = data.collate([train[i] for i in data.batch_indices(step, len(train), args.batch_size, args.seed)])
+        batch = collate([train[i] for i in batch_indices(step, len(train), args.batch_size, args.seed)])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, args.lr, args.warmup)
         noise = torch.Generator().manual_seed(args.seed * 100003 + step)  # resumable: the noise depends on the step

@@ -591,19 +591,6 @@ def load_splits(data_dir, val_n=0, test_n=0):
     return train, load_split(data_dir, "valid", val_n)[0], load_split(data_dir, "test", test_n)[0], sid
 
 
-def batch_indices(step, n, batch_size, seed):
-    """The example indices of training step `step`: seeded epochs, so a resumed run sees the same batches."""
-    per_epoch = max(1, n // batch_size)
-    epoch, k = divmod(step, per_epoch)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-    return perm[k * batch_size:(k + 1) * batch_size].tolist()
-
-
-def collate(examples):
-    """The columns a loss needs, as lists."""
-    return {k: [ex[k] for ex in examples] for k in ("prompt_ids", "response_ids", "n_reasoning")}
-
-
 def max_new_tokens(train, block=32):
     """Decoding budget: 1.25x the longest training response, in whole blocks."""
     longest = max(len(ex["response_ids"]) for ex in train)

@@ -247,6 +247,19 @@ def lr_at(step, total, peak, warmup):
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def batch_indices(step, n, batch_size, seed):
+    """The example indices of training step `step`: seeded epochs, so a resumed run sees the same batches."""
+    per_epoch = max(1, n // batch_size)
+    epoch, k = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    return perm[k * batch_size:(k + 1) * batch_size].tolist()
+
+
+def collate(examples):
+    """The batch dict the losses take: the columns they need, as lists."""
+    return {k: [ex[k] for ex in examples] for k in ("prompt_ids", "response_ids", "n_reasoning")}
+
+
 # ----------------------------------------------------------------------------- rows and masks
 def attention_mask(q, k):
     """(B, 1, Q, K) bool mask, True = attend, from the (seg, blk, pos) descriptors of queries and keys."""

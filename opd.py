@@ -30,8 +30,8 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import add_decoder_args, generate, inherited_decoder, replay_chunks, validate
-from model import (HelpFormatter, Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
-                   setup, token_kl)
+from model import (HelpFormatter, Log, add_common_args, ar_logits, batch_indices, keep_best, load_best, load_checkpoint,
+                   lr_at, resume, setup, token_kl)
 
 TAUS = (0.9, 0.6, 0.4)
 
@@ -122,7 +122,7 @@ def main(argv=None):
         print(f"before OPD: test KL to the teacher {state['kl_init']:.4f}")
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="opd", dynamic_ncols=True)
     for step in bar:
-        idx = data.batch_indices(step, len(train), args.prompts_per_step, args.seed)
+        idx = batch_indices(step, len(train), args.prompts_per_step, args.seed)
         examples = [train[i] for i in idx for _ in range(args.group)]
         prompts = [ex["prompt_ids"] for ex in examples]
         student.eval()  # [diffusion] the student's own trajectories, from the real decoder

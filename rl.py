@@ -31,8 +31,8 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import add_decoder_args, generate, inherited_decoder, replay_chunks, validate
-from model import (HelpFormatter, Log, add_common_args, ar_logits, keep_best, load_best, load_checkpoint, lr_at, resume,
-                   setup)
+from model import (HelpFormatter, Log, add_common_args, ar_logits, batch_indices, keep_best, load_best, load_checkpoint,
+                   lr_at, resume, setup)
 
 TAUS = (0.9, 0.6, 0.4)
 
@@ -125,7 +125,7 @@ def main(argv=None):
             best = keep_best(out, model, tok, stage, opt, 0, dict(rec), rec["val_reward"], best, t0)
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="rl", dynamic_ncols=True)
     for step in bar:
-        examples = [train[i] for i in data.batch_indices(step, len(train), args.prompts_per_step, args.seed)
+        examples = [train[i] for i in batch_indices(step, len(train), args.prompts_per_step, args.seed)
                     for _ in range(args.group)]
         prompts = [ex["prompt_ids"] for ex in examples]
         model.eval()

@@ -25,7 +25,8 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import validate
-from model import HelpFormatter, Log, add_common_args, ar_loss, create_model, keep_best, load_best, lr_at, resume, setup
+from model import (HelpFormatter, Log, add_common_args, ar_loss, batch_indices, collate, create_model, keep_best,
+                   load_best, lr_at, resume, setup)
 
 
 def parse_args(argv=None):
@@ -60,7 +61,7 @@ def main(argv=None):
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="sft", dynamic_ncols=True)
     for step in bar:
         model.train()
-        batch = data.collate([train[i] for i in data.batch_indices(step, len(train), args.batch_size, args.seed)])
+        batch = collate([train[i] for i in batch_indices(step, len(train), args.batch_size, args.seed)])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         loss = ar_loss(model, batch, args.lambda_r, args.lambda_o, tok.pad_token_id)

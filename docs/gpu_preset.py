@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's modules
 import data  # noqa: E402
 from decode import forward_seconds, generate, synchronize  # noqa: E402
-from model import DTYPES, HelpFormatter, ar_loss, create_model, diffusion_loss, init_mask_embedding  # noqa: E402
+from model import DTYPES, HelpFormatter, ar_loss, batch_indices, collate, create_model, diffusion_loss, init_mask_embedding  # noqa: E402
 from opd import opd_losses  # noqa: E402
 
 PARTS = ["sft", "cft", "rollout", "opd", "forward"]
@@ -84,7 +84,7 @@ def main(argv=None):
     def train_step(loss_of):
         def run():
             i = next(step)
-            loss = loss_of(data.collate([train[j] for j in data.batch_indices(i, len(train), args.batch_size, 0)]), i)
+            loss = loss_of(collate([train[j] for j in batch_indices(i, len(train), args.batch_size, 0)]), i)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
