@@ -2,7 +2,7 @@
 import torch
 
 from conftest import EOS, MASK, PAD, random_prompts, tiny
-from model import (attention_mask, build_rows, diffusion_loss, ar_loss, for_attention, hidden_states,
+from model import (attention_mask, batch_indices, build_rows, diffusion_loss, ar_loss, for_attention, hidden_states,
                    load_checkpoint, sample_noise, save_checkpoint, suffix_mask, target_sources)
 
 
@@ -138,6 +138,16 @@ def test_ar_loss_is_weighted_response_cross_entropy():
     ce = torch.nn.functional.cross_entropy(logits, torch.tensor(r), reduction="none")
     w = torch.tensor([0.5, 0.5, 1.0, 1.0])
     assert torch.allclose(loss, (w * ce).sum() / w.sum(), atol=1e-6)
+
+
+def test_batches_cover_each_example_once_per_epoch_and_repeat_after_a_restart():
+    n, size = 10, 3  # 3 batches an epoch; the 10th example waits for a later epoch
+    epoch0 = [batch_indices(step, n, size, seed=1) for step in range(3)]
+    seen = [i for b in epoch0 for i in b]
+    assert all(len(b) == size for b in epoch0) and len(set(seen)) == 9
+    assert [batch_indices(step, n, size, seed=1) for step in range(3)] == epoch0  # a resumed run sees the same
+    assert batch_indices(3, n, size, seed=1) != epoch0[0]  # a new epoch, a new order
+    assert batch_indices(0, n, size, seed=2) != epoch0[0]
 
 
 def test_save_load_round_trips_logits(tmp_path):
