@@ -118,7 +118,8 @@ def main(argv=None):
     t0 = time.time() - state.get("elapsed", 0.0)
     if start == 0:
         state["kl_init"] = test_kl(student, teacher, tok, kl_examples, block, max_new, 16, **dec)
-        log(step=0, minutes=0.0, kl_test=state["kl_init"], **validate(student, tok, valid, sid, "diffusion", block, max_new, args.eval_batch, **dec)[0])
+        val, _ = validate(student, tok, valid, sid, "diffusion", block, max_new, args.eval_batch, **dec)
+        log(step=0, minutes=0.0, kl_test=state["kl_init"], **val)
         print(f"before OPD: test KL to the teacher {state['kl_init']:.4f}")
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="opd", dynamic_ncols=True)
     for step in bar:

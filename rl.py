@@ -103,8 +103,7 @@ def main(argv=None):
     mode = "ar" if args.policy == "ar" else "diffusion"
     dec = inherited_decoder(parent, args)  # [diffusion] {sub_block, commit}
     stage = {"stage": "rl" if mode == "diffusion" else "rl-ar", "parent": str(args.init), "block_size": parent.get("block_size"),
-             **dec,
-             "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
+             **dec, "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
     print(f"rollouts: G={args.group} x {args.prompts_per_step} prompts, tau={args.tau}, temperature={args.temperature}, "
           f"policy={args.policy}" + (f", sub-block {dec['sub_block']}, commit {dec['commit']}" if mode == "diffusion" else ""))
 
