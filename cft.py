@@ -19,6 +19,8 @@ the canvases that rule decodes from: the last t * B positions of each block mask
 
     python cft.py --data data/synthetic --init out/sft --out out/naive --epochs 0    # the naive row
     python cft.py --data data/synthetic --init out/sft --out out/cft                  # CPU (~40 min)
+    python cft.py --data data/synthetic --init out/sft --out out/cft7 --epochs 7 --commit prefix \\
+        [--device cuda]                  # the valid-rate targets (README): 2.7 h on 2 CPU cores, ~4 min on an H200
     python cft.py --data data/synthetic-qwen3 --init out/sft-qwen --out out/cft-qwen \\
         --dtype bf16-mixed --device cuda --batch-size 16 --lr 1e-5                      # one GPU
 """
