@@ -1,4 +1,4 @@
-"""data.py: the protocol (no leakage), SIDs, traces, determinism, readers and bad input."""
+"""data.py and catalogue.py: the protocol (no leakage), SIDs, traces, determinism, readers and bad input."""
 import gzip
 import json
 import os
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import catalogue
 import data
 import eval as metrics
 from conftest import SHARED
@@ -50,7 +51,7 @@ def test_index_ranking_drops_the_sids_from_the_reasoning_only(small, tmp_path):
 
 
 def test_candidates_keep_the_retriever_order(tmp_path):
-    items, users = data.make_synthetic(0, 300)
+    items, users = catalogue.make_synthetic(0, 300)
     index = {it["item"]: i for i, it in enumerate(items)}
     seqs = [[index[a] for a in u] for u in users]
     retr = data.CoocRetriever(len(items)).fit([s[:-2] for s in seqs])
@@ -62,7 +63,7 @@ def test_candidates_keep_the_retriever_order(tmp_path):
 
 def test_validation_and_test_items_never_reach_training(tmp_path):
     """Change every user's last two items: the training split, counts and traces must not move."""
-    items, users = data.make_synthetic(0, 300)
+    items, users = catalogue.make_synthetic(0, 300)
     changed = []
     for k, u in enumerate(users):
         pool = [it["item"] for it in items if it["item"] not in u]
@@ -70,7 +71,7 @@ def test_validation_and_test_items_never_reach_training(tmp_path):
     outs = []
     for name, us in (("a", users), ("b", changed)):
         raw = tmp_path / name
-        data.write_jsonl_layout(items, us, raw, "toy")
+        catalogue.write_jsonl_layout(items, us, raw, "toy")
         outs.append(build(tmp_path, raw=str(raw)))
     assert outs[0][0]["train"] == outs[1][0]["train"]
     assert outs[0][0]["test"] != outs[1][0]["test"]  # (the test split does change)
@@ -117,7 +118,7 @@ def test_same_seed_same_data(tmp_path):
 
 def test_semantic_ids_do_not_depend_on_the_hash_seed():
     """Python randomises string hashing per process: set order must never reach the SIDs."""
-    code = ("import data; items, _ = data.make_synthetic(n_users=10); "
+    code = ("import catalogue, data; items, _ = catalogue.make_synthetic(n_users=10); "
             "print(data.semantic_ids(items, 16).tolist())")
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
@@ -158,7 +159,7 @@ def test_reads_mcauley_files_sorted_by_time(tmp_path):
     with gzip.open(tmp_path / "meta_Beauty.json.gz", "wt") as f:  # Python literals, as McAuley's 2014 files
         f.write("\n".join(repr({"asin": f"I{i}", "title": f"Brand{i} thing &amp; co", "categories": [["Beauty", "X"]]})
                           for i in range(7)) + "\n")
-    items, users = data.load_catalogue(tmp_path)
+    items, users = catalogue.load_catalogue(tmp_path)
     assert len(users) == 7 and all(len(u) == 5 for u in users)
     assert users[0] == ["I4", "I3", "I2", "I1", "I0"]  # oldest review first
     assert items[0]["title"].endswith("& co")
@@ -166,7 +167,7 @@ def test_reads_mcauley_files_sorted_by_time(tmp_path):
 
 @pytest.mark.skipif(not (SHARED / "amazon-beauty").exists(), reason="shared Beauty copy not present")
 def test_amazon_beauty_counts():
-    items, users = data.read_jsonl_layout(SHARED / "amazon-beauty")
+    items, users = catalogue.read_jsonl_layout(SHARED / "amazon-beauty")
     assert (len(users), len(items), sum(map(len, users))) == (22363, 12101, 198502)
 
 
