@@ -91,6 +91,31 @@ def clipped_loss(logp, logp_old, adv, eps):
     return loss.sum(), clipped
 
 
+def policy_update(model, opt, policy, prompts, roll, adv, kept, block, tok, args):
+    """`args.updates` optimizer steps of the clipped loss over the kept rollouts; returns the clipped fraction.
+
+    pi_old is the policy that made the rollouts: its log-probabilities are taken in the first pass, so with
+    one update the ratio is exactly 1. Gradients accumulate over chunks of rollouts (memory, not maths)."""
+    n_tokens = sum(len(roll.tokens[i]) for i in kept)
+    chunks = [kept[c:c + args.chunk] for c in range(0, len(kept), args.chunk)]
+    old, clipped = {}, 0
+    for update in range(args.updates):
+        for c, idx in enumerate(chunks):
+            parts = rollout_logprobs(model, policy, [prompts[i] for i in idx], roll.select(idx), block,
+                                     tok.mask_token_id, tok.pad_token_id, args.temperature, args.rows)
+            for k, (logp, owner) in enumerate(parts):
+                if update == 0:
+                    old[c, k] = logp.detach()
+                a = torch.tensor([adv[idx[o]] for o in owner.tolist()], device=logp.device)
+                loss, n_clip = clipped_loss(logp, old[c, k], a, args.clip)
+                (loss / n_tokens).backward()  # token-level normalisation over the whole batch
+                clipped += n_clip
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return clipped / (n_tokens * args.updates)
+
+
 def main(argv=None):
     args = parse_args(argv)
     out = setup(args)
@@ -146,25 +171,7 @@ def main(argv=None):
             model.train()
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-            n_tokens = sum(len(roll.tokens[i]) for i in kept)
-            chunks = [kept[c:c + args.chunk] for c in range(0, len(kept), args.chunk)]
-            old = {}
-            clipped = 0
-            for update in range(args.updates):
-                for c, idx in enumerate(chunks):
-                    parts = rollout_logprobs(model, args.policy, [prompts[i] for i in idx], roll.select(idx), block,
-                                             tok.mask_token_id, tok.pad_token_id, args.temperature, args.rows)
-                    for k, (logp, owner) in enumerate(parts):
-                        if update == 0:
-                            old[c, k] = logp.detach()  # pi_old: the policy that made the rollouts
-                        a = torch.tensor([adv[idx[o]] for o in owner.tolist()], device=logp.device)
-                        loss, n_clip = clipped_loss(logp, old[c, k], a, args.clip)
-                        (loss / n_tokens).backward()  # token-level normalisation over the whole batch
-                        clipped += n_clip
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            rec["clip_frac"] = clipped / (n_tokens * args.updates)
+            rec["clip_frac"] = policy_update(model, opt, args.policy, prompts, roll, adv, kept, block, tok, args)
         bar.set_postfix(reward=f"{rec['reward']:.3f}", valid=f"{rec['valid_rate']:.2f}", ident=f"{rec['identity_rate']:.2f}")
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             rec.update(minutes=(time.time() - t0) / 60, **held_out())
