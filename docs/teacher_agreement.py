@@ -48,6 +48,9 @@ def main(argv=None):
     ap.add_argument("predictions", nargs="+", help="predictions*.jsonl files of test runs")
     ap.add_argument("--data", default="data/synthetic", help="the synthetic data folder the runs were tested on")
     args = ap.parse_args(argv)
+    for path in args.predictions:
+        if not Path(path).is_file():
+            raise SystemExit(f"error: {path}: no such predictions file")
     routine = routine_rankings(args.data)
     for path in args.predictions:
         rows = [json.loads(line) for line in open(path)]
