@@ -176,3 +176,19 @@ def test_qwen3_tokenizer_gets_mask_and_sid_tokens():
     tok = data.load_hub_tokenizer(str(SHARED / "qwen3-tokenizer"), ["<a_0>", "<b_0>", "<c_0>", "<d_0>"])
     assert tok.mask_token_id == 151669
     assert tok("[<a_0><b_0><c_0><d_0>]", add_special_tokens=False).input_ids[1:5] == list(range(151670, 151674))
+
+
+def test_teacher_agreement_rebuilds_the_routine_rule_of_the_data(tmp_path):
+    """docs/teacher_agreement.py re-derives the teacher's routine ranking; it must match what data.py scored."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("teacher_agreement", ROOT / "docs" / "teacher_agreement.py")
+    agreement = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agreement)
+    out = tmp_path / "syn"
+    assert data.main(["--users", "300", "--out", str(out)]) == 0
+    routine = agreement.routine_rankings(out)
+    test, sid = data.load_split(out, "test")
+    recall1 = sum(routine[ex["id"]][0] == sid[ex["target"]] for ex in test) / len(test)
+    stats = json.loads((out / "stats.json").read_text())
+    assert sorted(routine) == sorted(ex["id"] for ex in test)
+    assert recall1 == pytest.approx(stats["strategy_recall@1_test"]["routine"])
