@@ -192,3 +192,7 @@ def test_teacher_agreement_rebuilds_the_routine_rule_of_the_data(tmp_path):
     stats = json.loads((out / "stats.json").read_text())
     assert sorted(routine) == sorted(ex["id"] for ex in test)
     assert recall1 == pytest.approx(stats["strategy_recall@1_test"]["routine"])
+    choice = agreement.strategy_choice(out, agreement.synthetic_world(out), steps=20)
+    for name, value in stats["strategy_recall@1_test"].items():  # every strategy re-derived, not only routine
+        assert choice[name] == pytest.approx(value)
+    assert max(stats["strategy_recall@1_test"].values()) <= choice["oracle"] and choice["learned chooser"] <= choice["oracle"]
