@@ -87,6 +87,11 @@ def strategy_choice(data_dir, world, steps=500):
             "oracle": Y_test.max(1).values.mean().item()}
 
 
+def target_first(predictions):
+    """How many of these (valid) answers put the target first."""
+    return sum(p["parsed"][0] == p["target"] for p in predictions)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("predictions", nargs="+", help="predictions*.jsonl files of test runs")
@@ -104,16 +109,18 @@ def main(argv=None):
               ", ".join(f"{k} {v:.3f}" for k, v in strategy_choice(args.data, world).items()))
     for path in args.predictions:
         rows = [json.loads(line) for line in open(path)]
+        unknown = [p["id"] for p in rows if p["id"] not in routine]
+        if unknown:
+            raise SystemExit(f"error: {path}: {len(unknown)} examples (first {unknown[0]!r}) are not test examples of {args.data}")
         strategies = Counter(p["response"].split("strategy ", 1)[1].split()[0] if "strategy " in p["response"] else "none"
                              for p in rows)
         valid = [p for p in rows if p["validity"] == "valid"]
         same = [p for p in valid if p["parsed"][0] == routine[p["id"]][0]]
         other = [p for p in valid if p["parsed"][0] != routine[p["id"]][0]]
-        hits = lambda ps: sum(p["parsed"][0] == p["target"] for p in ps)  # noqa: E731
         ceiling = sum(routine[p["id"]][0] == p["target"] for p in rows) / len(rows)
         print(f"{path}: n {len(rows)}, strategies {dict(strategies)}, valid {len(valid)}; "
-              f"routine's first item first {len(same)} (Recall@1 {hits(same)}/{len(same)}), "
-              f"another first {len(other)} ({hits(other)}/{len(other)}), whole routine ranking {sum(p['parsed'] == routine[p['id']] for p in valid)}; "
+              f"routine's first item first {len(same)} (Recall@1 {target_first(same)}/{len(same)}), "
+              f"another first {len(other)} ({target_first(other)}/{len(other)}), whole routine ranking {sum(p['parsed'] == routine[p['id']] for p in valid)}; "
               f"the rule itself: Recall@1 {ceiling:.3f}")
 
 
