@@ -16,6 +16,7 @@ import decode
 import eval as metrics
 import model as model_lib
 import opd
+import report
 import rl
 import sft
 from conftest import ROOT, SHARED
@@ -39,7 +40,7 @@ def run_pipeline(root, tokenizer):
                        "--commit", "prefix"])  # rl inherits the commit rule
     rl.main(common + ["--init", str(out / "opd"), "--out", str(out / "rl"), "--steps", "1", "--prompts-per-step", "1",
                       "--group", "2"])
-    metrics.report(out, d, bench_n=2, batch_sizes=(1,), taus=(1.0, 0.9))
+    report.report(out, d, bench_n=2, batch_sizes=(1,), taus=(1.0, 0.9))
     return d, out
 
 
@@ -78,7 +79,7 @@ def test_word_tokenizer_pipeline_writes_every_output(word_run):
 def test_report_can_decode_every_diffusion_stage_with_another_sub_block(word_run):
     d, out = word_run
     before = (out / "results.json").read_text()
-    metrics.report(out, d, bench_n=2, batch_sizes=(1,), taus=(0.9,), sub_block=0)
+    report.report(out, d, bench_n=2, batch_sizes=(1,), taus=(0.9,), sub_block=0)
     res = json.loads((out / "results_sub0.json").read_text())
     assert [r["sub_block"] for r in res["table2"] if r["decoder"] == "diffusion"] == [0]
     for stage, tag in (("cft", "sub0"), ("opd", "sub0_prefix"), ("rl", "sub0_prefix")):  # trained with sub-block 4:
@@ -86,7 +87,7 @@ def test_report_can_decode_every_diffusion_stage_with_another_sub_block(word_run
         assert [p["id"] for p in fresh] == [p["id"] for p in metrics.read_jsonl(out / stage / "predictions.jsonl")]
     assert not (out / "report" / "naive_sub0_predictions.jsonl").exists()  # naive already decodes with 0: its own file
     assert (out / "results.json").read_text() == before and (out / "results_sub0.md").exists()
-    metrics.report(out, d, bench_n=2, batch_sizes=(1,), taus=(0.9,), commit="any")  # opd and rl were decoded with prefix
+    report.report(out, d, bench_n=2, batch_sizes=(1,), taus=(0.9,), commit="any")  # opd and rl were decoded with prefix
     res = json.loads((out / "results_any.json").read_text())
     assert [(r["sub_block"], r["commit"]) for r in res["table2"] if r["decoder"] == "diffusion"] == [(4, "any")]
     assert all((out / "report" / f"{stage}_sub4_predictions.jsonl").exists() for stage in ("opd", "rl"))
@@ -99,7 +100,7 @@ def test_report_never_reuses_a_decode_older_than_the_checkpoint(word_run):
     d, out = word_run
     test, sid_of = data.load_split(d, "test")
     tok = AutoTokenizer.from_pretrained(d / "tokenizer")
-    decode = lambda: metrics.stage_predictions(out, "cft", test, sid_of, tok, 1.0, sub_block=2)
+    decode = lambda: report.stage_predictions(out, "cft", test, sid_of, tok, 1.0, sub_block=2)
     decode()
     cache = out / "report" / "cft_sub2_predictions.jsonl"
     recs = metrics.read_jsonl(cache)
@@ -186,7 +187,7 @@ def test_rl_keeps_the_starting_weights_unless_a_checkpoint_beats_them(word_run, 
             assert all(torch.equal(start[k], weights[k]) for k in start)
 
 
-@pytest.mark.parametrize("script", [sft, cft, opd, rl, decode, data, metrics])
+@pytest.mark.parametrize("script", [sft, cft, opd, rl, decode, data, report])
 def test_help_ends_every_flag_with_its_default(script, capsys):
     with pytest.raises(SystemExit):
         (script.parse_args if hasattr(script, "parse_args") else script.main)(["--help"])

@@ -1,0 +1,343 @@
+"""
+Report mode of eval.py: the paper's two tables for one pipeline run, with its plots.
+
+`python eval.py --report --run out --data data/synthetic` (or `python report.py` with the same flags) evaluates
+every checkpoint of the run (sft, naive, cft, opd, rl) on the same test examples and writes into OUT:
+
+    results.md / results.json   Table 1, the stage ladder at tau = 1.0 (AR greedy), 95% bootstrap intervals,
+                                paired differences to the row above, the reasoning proxy and invalid causes;
+                                Table 1b, the diffusion stages at tau = 0.9, paired on the same examples;
+                                Table 2, decoding speed of AR against the final diffusion model (decode.bench)
+    frontier.png, curves.png, masks.png   speed/accuracy frontier, training curves, the attention masks
+    report/                     predictions of every decode the report had to make itself
+
+A stage's own predictions.jsonl is reused when it covers the test examples and is not older than the
+checkpoint; `--sub-block` / `--commit` re-decode every diffusion stage with another decoder
+(results_sub8.md, results_prefix.md ...). Scoring is eval.py's; nothing here re-implements it.
+"""
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+from transformers import AutoTokenizer
+
+import data
+from decode import COMMIT_RULES, bench, evaluate, forward_cost_ratio
+from eval import (INVALID_CAUSES, METRIC_KEYS, SID_RE, bootstrap_ci, floor_rows, invalid_cause, paired_bootstrap,
+                  read_jsonl, score_responses, sid_str, summarize, write_atomic, write_predictions)
+from model import HelpFormatter, attention_mask, build_rows, load_checkpoint
+
+STAGES = [("sft", "AR re-ranker (GR2)"), ("naive", "naive conversion"), ("cft", "+ CFT"),
+          ("opd", "+ CFT + OPD"), ("rl", "+ CFT + OPD -> RL")]
+PAPER = {"retriever floor": (0.2811, 0.5591, 0.4401), "AR re-ranker (GR2)": (0.2960, 0.5651, 0.4497),
+         "naive conversion": (0.2811, 0.5591, 0.4401), "+ CFT": (0.2930, 0.5651, 0.4497),
+         "+ CFT + OPD": (0.2944, 0.5658, 0.4497), "+ CFT + OPD -> RL": (0.2951, 0.5671, 0.4517)}
+
+
+def reasoning_quality(preds, examples, sid_of):
+    """Share of SIDs cited in the reasoning that are in the history or the candidates (a hallucination proxy)."""
+    real, cited = 0, 0
+    for p, ex in zip(preds, examples):
+        known = {sid_of[i] for i in list(ex["history"]) + list(ex["candidates"])}
+        reasoning = p["response"].split("</think>")[0]
+        for m in SID_RE.finditer(reasoning):
+            cited += 1
+            real += sid_str(*m.groups()) in known
+    return real / cited if cited else float("nan")
+
+
+def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu", sub_block=None, commit=None):
+    """The stage's own predictions at `tau` when they cover `examples`, else a fresh decode (kept in run/report).
+
+    sub_block / commit (not None) decode a diffusion stage with that sub-block / commit rule instead of its own."""
+    name = "predictions.jsonl" if tau == 1.0 else f"predictions_tau{tau}.jsonl"
+    stage_json = Path(run) / stage / "stage.json"
+    st = json.loads(stage_json.read_text())
+    own_sub, own_commit = st.get("sub_block", 0), st.get("commit", "any")
+    sub_block = own_sub if sub_block is None else sub_block
+    commit = own_commit if commit is None else commit
+    own = not st.get("block_size") or (sub_block, commit) == (own_sub, own_commit)
+    tag = f"sub{sub_block}" + ("" if commit == "any" else f"_{commit}")
+    fresh = Path(run) / "report" / (f"{stage}_{name}" if own else f"{stage}_{tag}_{name}")
+    for path in ((Path(run) / stage / name, fresh) if own else (fresh,)):  # the stage's own file, or an earlier report's
+        if path.exists() and (path != fresh or path.stat().st_mtime >= stage_json.stat().st_mtime):  # not older than the checkpoint
+            by_id = {p["id"]: p for p in read_jsonl(path)}
+            if all(ex["id"] in by_id for ex in examples):  # it covers these examples (maybe more)
+                return [by_id[ex["id"]] for ex in examples]
+    model, _, st = load_checkpoint(Path(run) / stage)
+    model.to(device)
+    mode = "ar" if not st.get("block_size") else "diffusion"
+    print(f"decoding {len(examples)} test examples with {stage} at tau = {tau} ...")
+    _, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, st.get("block_size") or 1, tau, st["max_new"], 64, True,
+                                    sub_block, commit)
+    write_predictions(fresh, examples, sid_of, texts, rows, roll)
+    return read_jsonl(fresh)
+
+
+def ladder(entries, examples, sid_of, tok):
+    """Rows of a stage ladder: metrics with 95% bootstrap intervals, the reasoning proxy, and paired
+    differences to the row above (the naive row is skipped as a reference: it is the floor by fallback).
+
+    entries: (stage, name, predictions or None for the floor) in ladder order."""
+    rows, prev = [], None
+    for stage, name, preds in entries:
+        per = floor_rows(examples) if preds is None else score_responses([p["response"] for p in preds], examples, sid_of)
+        s = summarize(per)
+        row = {"name": name, "stage": stage, **{k: s[k] for k in (*METRIC_KEYS, "valid_rate", "invalid", "n")}}
+        for k in ("recall@1", "recall@3", "ndcg@3"):
+            row[k + "_ci"] = bootstrap_ci([r[k] for r in per])
+        row["valid_rate_ci"] = bootstrap_ci([r["validity"] == "valid" for r in per])
+        if preds is not None:
+            # answers that copy the retriever order: the reward-hacking signal RL must not raise
+            row["identity_rate"] = float(np.mean([p["validity"] == "valid" and p["parsed"] == p["candidates"] for p in preds]))
+            row["reasoning_grounded"] = reasoning_quality(preds, examples, sid_of)
+            causes = [invalid_cause(p["response"], p["candidates"]) for p in preds if p["validity"] != "valid"]
+            row["invalid_causes"] = {c: causes.count(c) for c in INVALID_CAUSES if c in causes}
+            row["reasoning_tokens"] = float(np.mean([len(tok(p["response"].split("</think>")[0] + "</think>",
+                                                             add_special_tokens=False).input_ids) for p in preds]))
+            if all("nfe" in p and "n_tokens" in p for p in preds):
+                row["tokens_per_forward"] = sum(p["n_tokens"] for p in preds) / max(1, sum(p["nfe"] for p in preds))
+        if prev is not None and stage != "naive":
+            for k in ("recall@1", "ndcg@3"):
+                row[f"delta_{k}_vs_prev"] = paired_bootstrap([r[k] for r in prev], [r[k] for r in per])
+        if stage != "naive":
+            prev = per
+        row["paper"] = dict(zip(("recall@1", "recall@3", "ndcg@3"), PAPER.get(name, (None,) * 3)))
+        rows.append(row)
+    return rows
+
+
+def table1(run, test, sid_of, tok, device="cpu", sub_block=None, commit=None):
+    """The stage ladder at tau = 1.0 (AR greedy for the AR re-ranker)."""
+    entries = [("floor", "retriever floor", None)]
+    entries += [(stage, name, stage_predictions(run, stage, test, sid_of, tok, 1.0, device, sub_block, commit))
+                for stage, name in STAGES if (Path(run) / stage / "stage.json").exists()]
+    return ladder(entries, test, sid_of, tok)
+
+
+def table1b(run, examples, sid_of, tok, tau=0.9, device="cpu", sub_block=None, commit=None):
+    """The diffusion stages at a parallel threshold, paired on the same examples: does each stage keep its gains?
+    The AR re-ranker (greedy) is the reference row, so CFT's paired difference is its gap to AR."""
+    entries = [("floor", "retriever floor", None)]
+    entries += [(stage, name, stage_predictions(run, stage, examples, sid_of, tok, 1.0 if stage == "sft" else tau, device,
+                                                       sub_block, commit))
+                for stage, name in STAGES if stage in ("sft", "cft", "opd", "rl") and (Path(run) / stage / "stage.json").exists()]
+    rows = ladder(entries, examples, sid_of, tok)
+    for r in rows:
+        r["paper"] = {}
+    return rows
+
+
+def pyplot():
+    """matplotlib's pyplot without a display (imported only when a figure is drawn)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save(plt, fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(run, path):
+    """Training curves of every stage, read from OUT/<stage>/log.jsonl."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+    panels = [("sft", [("val_valid_rate", "valid rate"), ("val_recall1", "Recall@1")], "AR re-ranker (validation)"),
+              ("cft", [("val_valid_rate", "valid, tau=1.0"), ("val_valid_rate_0.9", "valid, tau=0.9"),
+                       ("val_recall1", "R@1, tau=1.0")], "CFT (validation)"),
+              ("opd", [("kl", "rollout KL to teacher"), ("rollout_valid_rate", "rollout valid rate")], "OPD"),
+              ("rl", [("reward", "rollout reward"), ("val_reward", "held-out reward")], "RL")]
+    for ax, (stage, keys, title) in zip(axes, panels):
+        log = Path(run) / stage / "log.jsonl"
+        if log.exists():
+            recs = read_jsonl(log)
+            for k, label in keys:
+                pts = [(r["step"], r[k]) for r in recs if k in r]
+                if pts:
+                    ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    save(plt, fig, path)
+
+
+def plot_frontier(rows, path):
+    """Recall@1 against tokens per forward (hardware-independent) and against the measured speed-up."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for bs in sorted({r["batch"] for r in rows}):
+        sel = [r for r in rows if r["batch"] == bs]
+        diff = [r for r in sel if r["decoder"] != "ar"]
+        for ax, key in zip(axes, ("tokens_per_forward", "speedup")):
+            ax.plot([r[key] for r in diff], [r["recall@1"] for r in diff], marker="o", label=f"diffusion, batch {bs}")
+            for r in diff:
+                ax.annotate(f"tau={r['tau']}", (r[key], r["recall@1"]), fontsize=7)
+            ar = [r for r in sel if r["decoder"] == "ar"][0]
+            ax.scatter([ar[key]], [ar["recall@1"]], marker="*", s=120, label=f"AR, batch {bs}")
+    axes[0].set_xlabel("tokens per forward")
+    axes[1].set_xlabel("wall-clock speed-up over AR (this machine)")
+    for ax in axes:
+        ax.set_ylabel("Recall@1")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    save(plt, fig, path)
+
+
+def plot_masks(path, prompt=3, response=8, block=4):
+    """The two attention patterns, drawn from model.py's own mask function (rows attend to columns)."""
+    plt = pyplot()
+    train = build_rows([[1] * prompt], [[2] * response], block, noisy=[[3] * response])
+    dec = build_rows([[1] * prompt], [[2] * response], block)
+    masks = [attention_mask(*[(r["seg"], r["blk"], r["pos"])] * 2)[0, 0].float() for r in (train, dec)]
+    active = 1  # decoding: block 1 is being denoised; the prompt and block 0 sit in the KV cache
+    rows = slice(prompt + active * block, prompt + (active + 1) * block)
+    masks[1][rows] *= 2  # the rows computed at each denoising step
+    names = [["prompt"] * prompt + [f"x_t b{j // block}" for j in range(response)] + [f"x_0 b{j // block}" for j in range(response)],
+             ["prompt"] * prompt + [f"b{j // block}" + (" (active)" if j // block == active else "") for j in range(response)]]
+    titles = [f"training layout [prompt | noisy x_t | clean x_0], B = {block}",
+              f"decoding: block-causal; block {active} denoised against the cache"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6), gridspec_kw={"width_ratios": [1.5, 1]})
+    for ax, m, n, title in zip(axes, masks, names, titles):
+        ax.imshow(m.numpy(), cmap="YlGnBu", vmin=0, vmax=2.3)  # numpy: matplotlib warns on tensors
+        ax.set_xticks(range(len(n)), n, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(n)), n, fontsize=7)
+        ax.set_title(title, fontsize=10)
+        for x in range(prompt, len(n), block):
+            ax.axvline(x - 0.5, color="grey", lw=0.5)
+            ax.axhline(x - 0.5, color="grey", lw=0.5)
+    save(plt, fig, path)
+
+
+def fmt_ci(row, k):
+    lo, hi = row[k + "_ci"]
+    return f"{row[k]:.4f} [{lo:.3f}, {hi:.3f}]"
+
+
+def invalid_lines(rows):
+    """results.md lines: the invalid answers of each row by cause (eval.invalid_cause)."""
+    rows = [r for r in rows if r.get("invalid_causes")]
+    if not rows:
+        return []
+    return ["", "Invalid answers by where the trace went wrong (`eval.invalid_cause`):", ""] + [
+        f"- {r['name']}: " + ", ".join(f"{c} {n}" for c, n in r["invalid_causes"].items()) for r in rows]
+
+
+def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 0.4), tau_n=200, device="cpu", sub_block=None,
+           commit=None):
+    """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and plots.
+
+    sub_block / commit (not None) decode every diffusion stage with that sub-block / commit rule instead of
+    its own; the files are then named results_sub{n}.md, results_prefix.md ... beside the default ones."""
+    run = Path(run)
+    (run / "report").mkdir(parents=True, exist_ok=True)
+    test, sid_of = data.load_split(data_dir, "test")
+    tok = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
+    sfx = ("" if sub_block is None else f"_sub{sub_block}") + ("" if commit is None else f"_{commit}")
+    t1 = table1(run, test, sid_of, tok, device, sub_block, commit)
+    t1b = table1b(run, test[:tau_n] if tau_n else test, sid_of, tok, 0.9, device, sub_block, commit)
+    final = next((s for s in ("rl", "opd", "cft") if (run / s / "stage.json").exists()), None)
+    t2, ratio = [], None
+    if final and (run / "sft" / "stage.json").exists():
+        ar, _, _ = load_checkpoint(run / "sft")
+        diff, _, st = load_checkpoint(run / final)
+        ar, diff = ar.to(device), diff.to(device)
+        ratio = forward_cost_ratio(diff.eval(), test[0]["prompt_ids"], st["block_size"])
+        print(f"speed: {final} against the AR re-ranker on {bench_n} test prompts (block forward costs {ratio:.2f}x a 1-token step)")
+        t2_sub = st.get("sub_block", 0) if sub_block is None else sub_block
+        t2_commit = st.get("commit", "any") if commit is None else commit
+        t2 = bench(ar.eval(), diff.eval(), tok, test[:bench_n], sid_of, taus, batch_sizes, [st["block_size"]], st["max_new"],
+                   sub_blocks=[t2_sub], commit=t2_commit)
+        plot_frontier(t2, run / f"frontier{sfx}.png")
+    plot_curves(run, run / "curves.png")
+    plot_masks(run / "masks.png")
+    stats = json.loads((Path(data_dir) / "stats.json").read_text())
+    result = {"data": str(data_dir), "n_test": len(test), "table1": t1, "table1b_tau0.9": t1b, "table2": t2, "forward_cost_ratio": ratio,
+              "final_diffusion": final, "data_stats": stats}
+    write_atomic(run / f"results{sfx}.json", json.dumps(result, indent=2))
+    lines = [f"# Diffusion-GR2 results: {data_dir} (test n = {len(test)})", "",
+             "## Table 1: the stage ladder (tau = 1.0; AR greedy), 95% bootstrap intervals", "",
+             "| method | Recall@1 | Recall@3 | NDCG@3 | valid rate | copies retriever | grounded ids | reasoning tokens "
+             "| paper (Beauty, Qwen3-8B) R@1 / R@3 / NDCG@3 |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in t1:
+        p = r["paper"]
+        paper = " / ".join(f"{p[k]:.4f}" for k in ("recall@1", "recall@3", "ndcg@3")) if p["recall@1"] else ""
+        extra = (f"{r['identity_rate']:.3f} | {r['reasoning_grounded']:.3f} | {r['reasoning_tokens']:.0f}"
+                 if "reasoning_tokens" in r else " | | ")
+        lines.append(f"| {r['name']} | {fmt_ci(r, 'recall@1')} | {fmt_ci(r, 'recall@3')} | {fmt_ci(r, 'ndcg@3')} | "
+                     f"{r['valid_rate']:.3f} | {extra} | {paper} |")
+    lines += ["", "An invalid answer is scored as the retriever order. *copies retriever*: share of answers equal to the "
+              "retriever order; *grounded ids*: share of the SIDs cited in the reasoning that are in the history or the "
+              "candidates (a proxy for the paper's judge study); *reasoning tokens*: mean length up to `</think>`."]
+    deltas = [r for r in t1 if "delta_recall@1_vs_prev" in r]
+    if deltas:
+        lines += ["", "Paired differences to the row above (mean [95% interval]):", ""]
+        for r in deltas:
+            d, e = r["delta_recall@1_vs_prev"], r["delta_ndcg@3_vs_prev"]
+            lines.append(f"- {r['name']}: Recall@1 {d[0]:+.4f} [{d[1]:+.3f}, {d[2]:+.3f}], NDCG@3 {e[0]:+.4f} [{e[1]:+.3f}, {e[2]:+.3f}]")
+    lines += invalid_lines(t1)
+    if len(t1b) > 1:
+        lines += ["", f"## Table 1b: the diffusion stages at tau = 0.9 (first {t1b[0]['n']} test examples), paired", "",
+                  "The AR re-ranker (greedy) is the reference row: the first paired difference is CFT's gap to it.", "",
+                  "| method | Recall@1 | Recall@3 | NDCG@3 | valid rate | tokens per forward |", "|---|---|---|---|---|---|"]
+        for r in t1b:
+            tpf = f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else ""
+            lines.append(f"| {r['name']} | {fmt_ci(r, 'recall@1')} | {fmt_ci(r, 'recall@3')} | {fmt_ci(r, 'ndcg@3')} | "
+                         f"{r['valid_rate']:.3f} | {tpf} |")
+        if len(t1b) > 2:
+            lines += ["", "Paired differences to the row above at tau = 0.9:", ""]
+        for r in t1b[2:]:
+            d, e = r["delta_recall@1_vs_prev"], r["delta_ndcg@3_vs_prev"]
+            lines.append(f"- {r['name']}: Recall@1 {d[0]:+.4f} [{d[1]:+.3f}, {d[2]:+.3f}], NDCG@3 {e[0]:+.4f} [{e[1]:+.3f}, {e[2]:+.3f}]")
+        lines += invalid_lines(t1b)
+    if t2:
+        lines += ["", f"## Table 2: decoding speed, AR against `{final}` (first {bench_n} test prompts, this machine)", "",
+                  f"One block forward costs {ratio:.2f}x a 1-token AR step here (batch 1). Block {st['block_size']}"
+                  + (f", commits only inside the leftmost sub-block of {t2_sub} with masks" if t2_sub else "")
+                  + {"prefix": ", commits only the leftmost mask and the confident run after it (prefix rule).",
+                     "joint": ", commits the most confident positions while the product of their confidences is >= tau (joint rule).",
+                     "prefix-joint": ", commits left to right from the leftmost mask while the product of the confidences is >= tau "
+                                     "(prefix-joint rule)."}.get(t2_commit, "."), "",
+                  "| decoder | batch | Recall@1 | valid rate | tokens/s | tokens per forward | speed-up |", "|---|---|---|---|---|---|---|"]
+        for r in t2:
+            name = "AR" if r["decoder"] == "ar" else f"diffusion tau = {r['tau']}"
+            lines.append(f"| {name} | {r['batch']} | {r['recall@1']:.3f} | {r['valid_rate']:.3f} | {r['tokens_per_s']:.1f} | "
+                         f"{r['tokens_per_forward']:.2f} | {r['speedup']:.2f}x |")
+        lines += ["", f"![speed/accuracy frontier](frontier{sfx}.png)"]
+    lines += ["", "![training curves](curves.png)", "", "![attention masks](masks.png)", ""]
+    write_atomic(run / f"results{sfx}.md", "\n".join(lines))
+    print("\n".join(lines))
+    return result
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--report", action="store_true", help="evaluate every checkpoint of a run and write results.md/json")
+    ap.add_argument("--run", default="out", help="the run's output folder (holds sft/, naive/, cft/, opd/, rl/)")
+    ap.add_argument("--data", default="data/synthetic", help="folder written by data.py")
+    ap.add_argument("--bench-n", type=int, default=64, help="test prompts for the speed table")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="decoding batch sizes for the speed table")
+    ap.add_argument("--tau-n", type=int, default=200, help="test examples for the tau = 0.9 ladder (0 = all)")
+    ap.add_argument("--device", default="cpu", help="torch device for the decoding the report does")
+    ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
+    ap.add_argument("--sub-block", type=int, default=None,
+                    help="decode every diffusion stage with this sub-block instead of its own (writes results_sub{n}.md)")
+    ap.add_argument("--commit", choices=COMMIT_RULES, default=None,
+                    help="decode every diffusion stage with this commit rule instead of its own (writes results_{rule}.md)")
+    args = ap.parse_args(argv)
+    if args.masks_figure:
+        plot_masks(args.masks_figure)
+    elif args.report:
+        report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tau_n=args.tau_n, device=args.device,
+               sub_block=args.sub_block, commit=args.commit)
+    else:
+        ap.error("choose --report or --masks-figure")
+
+
+if __name__ == "__main__":
+    main()
