@@ -228,6 +228,28 @@ def invalid_lines(rows):
         f"- {r['name']}: " + ", ".join(f"{c} {n}" for c, n in r["invalid_causes"].items()) for r in rows]
 
 
+def paired(path_a, path_b, data_dir):
+    """Two predictions.jsonl of the same test examples, paired: each one's metrics, then B - A (95% intervals).
+
+    Any two decodes can be compared this way (two stages, two decoders, two runs on the same data)."""
+    a, b = read_jsonl(path_a), read_jsonl(path_b)
+    if [p["id"] for p in a] != [p["id"] for p in b]:
+        raise SystemExit(f"error: {path_a} and {path_b} do not hold the same examples in the same order")
+    test, sid_of = data.load_split(data_dir, "test")
+    by_id = {ex["id"]: ex for ex in test}
+    stray = [p["id"] for p in a if p["id"] not in by_id]
+    if stray:
+        raise SystemExit(f"error: {len(stray)} examples of {path_a} are not test examples of {data_dir} (first: id {stray[0]})")
+    tok = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
+    rows = ladder([("a", f"A {path_a}", a), ("b", f"B {path_b}", b)], [by_id[p["id"]] for p in a], sid_of, tok)
+    for r in rows:
+        print(f"{r['name']} (n = {r['n']}): Recall@1 {fmt_ci(r, 'recall@1')}, NDCG@3 {fmt_ci(r, 'ndcg@3')}, "
+              f"valid {r['valid_rate']:.3f}, copies retriever {r['identity_rate']:.3f}")
+    d, e = rows[1]["delta_recall@1_vs_prev"], rows[1]["delta_ndcg@3_vs_prev"]
+    print(f"B - A, paired: Recall@1 {d[0]:+.4f} [{d[1]:+.3f}, {d[2]:+.3f}], NDCG@3 {e[0]:+.4f} [{e[1]:+.3f}, {e[2]:+.3f}]")
+    return rows
+
+
 def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 0.4), tau_n=200, device="cpu", sub_block=None,
            commit=None):
     """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and plots.
@@ -325,6 +347,8 @@ def main(argv=None):
     ap.add_argument("--tau-n", type=int, default=200, help="test examples for the tau = 0.9 ladder (0 = all)")
     ap.add_argument("--device", default="cpu", help="torch device for the decoding the report does")
     ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
+    ap.add_argument("--paired", nargs=2, default=None, metavar=("A", "B"),
+                    help="only compare two predictions.jsonl of the same test examples of --data: B - A with 95%% intervals")
     ap.add_argument("--sub-block", type=int, default=None,
                     help="decode every diffusion stage with this sub-block instead of its own (writes results_sub{n}.md)")
     ap.add_argument("--commit", choices=COMMIT_RULES, default=None,
@@ -332,11 +356,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.masks_figure:
         plot_masks(args.masks_figure)
+    elif args.paired:
+        paired(*args.paired, args.data)
     elif args.report:
         report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tau_n=args.tau_n, device=args.device,
                sub_block=args.sub_block, commit=args.commit)
     else:
-        ap.error("choose --report or --masks-figure")
+        ap.error("choose --report, --paired or --masks-figure")
 
 
 if __name__ == "__main__":

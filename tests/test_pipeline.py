@@ -94,6 +94,34 @@ def test_report_can_decode_every_diffusion_stage_with_another_sub_block(word_run
     assert not (out / "report" / "cft_sub4_predictions.jsonl").exists()  # cft decodes with (4, any): its own file
 
 
+def test_paired_comparison_of_two_prediction_files(word_run, tmp_path, capsys):
+    d, _ = word_run
+    test, sid_of = data.load_split(d, "test")
+
+    def write(name, first_the_target):
+        path, recs = tmp_path / name, []
+        for ex in test:
+            cands = [sid_of[c] for c in ex["candidates"]]
+            order = sorted(cands, key=lambda s: s != sid_of[ex["target"]]) if first_the_target else cands  # stable
+            recs.append({"id": ex["id"], "candidates": cands, "target": sid_of[ex["target"]], "parsed": order,
+                         "validity": "valid", "response": "<think> because </think> [" + "".join(order) + "]"})
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return path
+
+    copy, best = write("copy.jsonl", False), write("best.jsonl", True)  # the retriever order; the target moved first
+    floor = metrics.summarize(metrics.floor_rows(test))
+    assert floor["recall@1"] < 1  # else moving the target first would change nothing
+    rows = report.paired(copy, best, d)
+    assert rows[0]["recall@1"] == floor["recall@1"] and rows[0]["identity_rate"] == 1.0 and rows[1]["recall@1"] == 1.0
+    assert rows[1]["delta_recall@1_vs_prev"][0] == pytest.approx(1 - floor["recall@1"])
+    assert rows[1]["delta_ndcg@3_vs_prev"][0] == pytest.approx(1 - floor["ndcg@3"])
+    assert "B - A, paired: Recall@1 +" in capsys.readouterr().out
+    assert report.paired(best, best, d)[1]["delta_recall@1_vs_prev"] == (0.0, 0.0, 0.0)
+    shuffled = tmp_path / "shuffled.jsonl"
+    shuffled.write_text("".join(reversed(best.read_text().splitlines(keepends=True))))
+    with pytest.raises(SystemExit, match="same examples in the same order"):
+        report.paired(copy, shuffled, d)
+
 def test_report_never_reuses_a_decode_older_than_the_checkpoint(word_run):
     import os
     from transformers import AutoTokenizer
