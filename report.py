@@ -232,6 +232,9 @@ def paired(path_a, path_b, data_dir):
     """Two predictions.jsonl of the same test examples, paired: each one's metrics, then B - A (95% intervals).
 
     Any two decodes can be compared this way (two stages, two decoders, two runs on the same data)."""
+    for path in (path_a, path_b):
+        if not Path(path).is_file():
+            raise SystemExit(f"error: no predictions file at {path}")
     a, b = read_jsonl(path_a), read_jsonl(path_b)
     if [p["id"] for p in a] != [p["id"] for p in b]:
         raise SystemExit(f"error: {path_a} and {path_b} do not hold the same examples in the same order")

@@ -121,6 +121,12 @@ def test_paired_comparison_of_two_prediction_files(word_run, tmp_path, capsys):
     shuffled.write_text("".join(reversed(best.read_text().splitlines(keepends=True))))
     with pytest.raises(SystemExit, match="same examples in the same order"):
         report.paired(copy, shuffled, d)
+    stray = tmp_path / "stray.jsonl"  # the same file, but one id that is not a test example of this data
+    stray.write_text(copy.read_text().replace(json.dumps(test[0]["id"]), '"no-such-example"', 1))
+    with pytest.raises(SystemExit, match="not test examples of"):
+        report.paired(stray, stray, d)
+    with pytest.raises(SystemExit, match="no predictions file at .*missing.jsonl"):
+        report.paired(copy, tmp_path / "missing.jsonl", d)
 
 def test_report_never_reuses_a_decode_older_than_the_checkpoint(word_run):
     import os
