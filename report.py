@@ -13,7 +13,9 @@ every checkpoint of the run (sft, naive, cft, opd, rl) on the same test examples
 
 A stage's own predictions.jsonl is reused when it covers the test examples and is not older than the
 checkpoint; `--sub-block` / `--commit` re-decode every diffusion stage with another decoder
-(results_sub8.md, results_prefix.md ...). Scoring is eval.py's; nothing here re-implements it.
+(results_sub8.md, results_prefix.md ...). `python eval.py --paired A.jsonl B.jsonl --data DIR` compares
+any two predictions files of the same test examples (B - A, paired bootstrap). Scoring is eval.py's;
+nothing here re-implements it.
 """
 import argparse
 import json
