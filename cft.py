@@ -95,8 +95,8 @@ def main(argv=None):
                                 **dec)
 
     steps = args.steps or max(1, round(args.epochs * len(train) / args.batch_size))
-    print(f"CFT: {len(train)} traces x {args.epochs} epochs = {steps} steps of {args.batch_size} "
-          f"(x2 rows with complementary masks), block {args.block}")
+    print(f"CFT: {steps} steps of {args.batch_size} = {steps * args.batch_size / len(train):.2f} epochs of {len(train)} "
+          f"traces (x2 rows with complementary masks), block {args.block}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     start, state = (0, {}) if args.fresh else resume(out, model, opt)
     best, log = state.get("best", -1.0), Log(out, fresh=start == 0)

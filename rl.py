@@ -47,7 +47,7 @@ def parse_args(argv=None):
                     help="prompts per step (G rollouts each)")
     ap.add_argument("--tau", type=float, default=0.9, help="commit threshold of the rollouts (diffusion)")
     add_decoder_args(ap)  # [diffusion] --sub-block, --commit: the parent checkpoint's unless given
-    ap.add_argument("--temperature", type=float, default=1.0,  # assumption: 1.0, the paper does not say (0.7: README, Stage 3)
+    ap.add_argument("--temperature", type=float, default=1.0,  # assumption: 1.0, the paper does not say (0.7: docs/experiments.md)
                     help="sampling temperature of the rollouts")
     ap.add_argument("--clip", type=float, default=0.2, help="epsilon of the clipped ratio")
     ap.add_argument("--updates", type=int, default=1, help="optimizer steps per batch of rollouts (mu)")
