@@ -26,12 +26,12 @@ QWEN = SHARED / "qwen3-tokenizer"
 METRIC_FILE_KEYS = {"recall@1", "recall@3", "ndcg@3", "recall@5", "ndcg@5", "valid_rate", "invalid", "n", "floor"}
 
 
-def run_pipeline(root, tokenizer):
+def run_pipeline(root, tokenizer, max_new=32):
     d, out = root / "data", root / "out"
     assert data.main(["--out", str(d), "--users", "150", "--max-eval", "4", "--tokenizer", tokenizer]) == 0
     common = ["--data", str(d), "--val-n", "2", "--eval-batch", "4"]
     sft.main(common + ["--out", str(out / "sft"), "--model", "micro", "--steps", "2", "--eval-every", "2",
-                       "--batch-size", "2", "--max-new", "32"])
+                       "--batch-size", "2", "--max-new", str(max_new)])
     cft.main(common + ["--init", str(out / "sft"), "--out", str(out / "naive"), "--epochs", "0", "--block", "8"])
     cft.main(common + ["--init", str(out / "sft"), "--out", str(out / "cft"), "--steps", "1", "--block", "8",
                        "--batch-size", "1", "--eval-every", "1", "--sub-block", "4"])  # opd and rl inherit the sub-block
@@ -187,7 +187,7 @@ def test_interrupted_training_resumes_to_the_same_weights(word_run, tmp_path, mo
 
 @pytest.mark.skipif(not QWEN.exists(), reason="shared Qwen3 tokenizer not present")
 def test_qwen3_tokenizer_pipeline(tmp_path):
-    d, out = run_pipeline(tmp_path, str(QWEN))
+    d, out = run_pipeline(tmp_path, str(QWEN), max_new=16)  # 16: every logit row spans Qwen3's 151,936 tokens
     check_outputs(d, out)
     _, tok, _ = load_checkpoint(out / "rl")
     assert tok.mask_token_id == 151669 and len(tok) > 151669
