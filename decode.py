@@ -11,16 +11,13 @@ being denoised), then for every masked position, with token shift,
     commit j  if  max p_j >= tau,   and always the single most confident masked position
 
 A committed token is never re-masked. tau = 1.0 commits exactly one token per forward (a float32
-softmax can return exactly 1.0, so it is a special case, not a `>=` test). With sub-blocks (Fast-dLLM
-v2; a checkpoint's `sub_block`, 0 = off) only the leftmost sub-block that still has masks may commit:
-the block is still run whole, but it is filled a few positions at a time, left to right. With the
-*prefix* commit rule (a checkpoint's `commit`, "any" = the paper's rule) a position may only be committed
-together with every masked position to its left: each step commits the leftmost mask and the unbroken
-run of confident positions after it, so the block fills strictly left to right, several tokens per
-forward where the model is sure (tau = 1.0: one token per forward, in AR order). The *joint* rules
-("joint": most confident first, "prefix-joint": left to right) commit while the product of the committed
-confidences stays >= tau, not while each one does: were the positions independent, a step would commit a
-wrong token with a chance of at most 1 - tau however many positions it commits. When the
+softmax can return exactly 1.0, so it is a special case, not a `>=` test). Two settings, saved with a
+checkpoint, restrict which positions may commit. With sub-blocks (Fast-dLLM v2; `sub_block`, 0 = off)
+only the leftmost sub-block that still has masks may: the block is still run whole, but filled a few
+positions at a time. The commit rule (`commit`; `choose` below) is "any" (the paper's), "prefix" (the
+leftmost mask and the confident run after it: the block fills left to right, several tokens per forward
+where the model is sure, and tau = 1.0 is AR order), or "joint" / "prefix-joint" (the same two orders,
+bounding the product of a step's confidences instead of each one). When the
 block has no masks left it is run once more to write its K/V into the cache (the commit forward); its last logit
 predicts the next block's first token. A row stops as soon as its end token is committed with every
 position before it filled. Batched: left-padded prompts, each row commits its own positions.
@@ -44,8 +41,8 @@ import torch
 from transformers import DynamicCache
 
 import eval as metrics
-from model import (CLEAN, DTYPE_HELP, DTYPES, PAD, PROMPT, HelpFormatter, attention_mask, build_rows, compute,
-                   for_attention, gather_logits, hidden_states, load_checkpoint, target_sources)
+from model import (CLEAN, PAD, PROMPT, HelpFormatter, add_runtime_args, attention_mask, build_rows, compute, for_attention,
+                   gather_logits, hidden_states, load_checkpoint, start, target_sources)
 
 
 COMMIT_RULES = ("any", "prefix", "joint", "prefix-joint")  # [diffusion] which confident positions a step may commit (docstring)
@@ -120,12 +117,9 @@ class CachedModel:
 
 def pick(logits, temperature, generator):
     """(token, confidence) per position: argmax, or a sample at `temperature` with its probability."""
-    if temperature > 0:
-        probs = torch.softmax(logits / temperature, -1)
-        tok = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).reshape(probs.shape[:-1])
-    else:
-        probs = torch.softmax(logits, -1)
-        tok = probs.argmax(-1)
+    probs = torch.softmax(logits / temperature if temperature > 0 else logits, -1)
+    tok = (torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).reshape(probs.shape[:-1])
+           if temperature > 0 else probs.argmax(-1))
     return tok, probs.gather(-1, tok[..., None])[..., 0]
 
 
@@ -205,12 +199,9 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
         if use_cache:
             nfe += ~done
             state.edge = state.forward(canvas[:, lo:hi], desc, keep=True)[:, -1]  # the commit forward
-    tokens = []
-    for i in range(B):
-        row = canvas[i].tolist()
-        end = row.index(eos_id) + 1 if eos_id in row else len(row)
-        tokens.append(row[:end])
-    return Rollout(tokens=tokens, canvas=canvas.tolist(), steps=steps.tolist(), nfe=nfe.tolist())
+    rows = canvas.tolist()
+    tokens = [row[:row.index(eos_id) + 1 if eos_id in row else len(row)] for row in rows]  # up to the end token
+    return Rollout(tokens=tokens, canvas=rows, steps=steps.tolist(), nfe=nfe.tolist())
 
 
 def choose(conf, masked, tau, commit):  # [diffusion]
@@ -400,18 +391,17 @@ def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, m
     """Decode the same prompts with AR and with block diffusion at each (block, sub-block, tau), interleaved
     chunk by chunk so that every decoder sees the same machine load. Returns the rows of the speed table."""
     configs = [("ar", None, None, None)] + [("diffusion", t, b, sb) for b in blocks for sb in sub_blocks for t in taus]
+    run = lambda c, prompts, bs: generate(ar_model if c[0] == "ar" else diff_model, tok, prompts, c[0], c[2] or 32,
+                                          c[1] or 1.0, max_new, bs, sub_block=c[3] or 0, commit=commit)
     rows = []
     for c in configs:  # one untimed decode each: one-off costs (CUDA start-up, kernel choice) would land on AR, run first
-        generate(ar_model if c[0] == "ar" else diff_model, tok, [examples[0]["prompt_ids"]], c[0], c[2] or 32, c[1] or 1.0,
-                 max_new, 1, sub_block=c[3] or 0, commit=commit)
+        run(c, [examples[0]["prompt_ids"]], 1)
     for bs in batch_sizes:
         acc = {c: {"tokens": 0, "nfe": 0, "seconds": 0.0, "texts": []} for c in configs}
         for s in range(0, len(examples), bs):
             prompts = [ex["prompt_ids"] for ex in examples[s:s + bs]]
             for c in configs:  # interleaved: AR, then every tau, on this chunk
-                model = ar_model if c[0] == "ar" else diff_model
-                out, sec = generate(model, tok, prompts, c[0], c[2] or 32, c[1] or 1.0, max_new, bs, sub_block=c[3] or 0,
-                                    commit=commit)
+                out, sec = run(c, prompts, bs)
                 a = acc[c]
                 a["tokens"] += sum(map(len, out.tokens)); a["nfe"] += sum(out.nfe); a["seconds"] += sec
                 a["texts"] += [tok.decode(t) for t in out.tokens]
@@ -440,14 +430,13 @@ def show(model, tok, example, block, tau, max_new, sub_block=0, commit="any"):
     """Print one example being denoised: masks as '·', new commits highlighted, steps per block."""
     tty = sys.stdout.isatty()
     new = (lambda w: f"\033[1;32m{w}\033[0m") if tty else (lambda w: f"*{w}*")
-    words = lambda ids: [tok.convert_ids_to_tokens(i) for i in ids]
     print(tok.decode(example["prompt_ids"]), "\n")
     per_block = {}
 
     def on_step(b, s, canvas, commit, logits):
         lo = b * block
         shown = [("·" if t == tok.mask_token_id else (new(w) if commit[0, j] else w))
-                 for j, (t, w) in enumerate(zip(canvas[0, lo:].tolist(), words(canvas[0, lo:].tolist())))]
+                 for j, (t, w) in enumerate(zip(canvas[0, lo:].tolist(), tok.convert_ids_to_tokens(canvas[0, lo:].tolist())))]
         print(f"block {b} step {s:2d} +{int(commit[0].sum())}: " + " ".join(shown))
         per_block[b] = s + 1
 
@@ -476,18 +465,11 @@ def main(argv=None):
     ap.add_argument("--sub-blocks", type=int, nargs="+", default=None,
                     help="sub-block sizes to decode with: commit only inside the leftmost sub-block with masks "
                          "(0 = anywhere in the block; default: the checkpoint's; --show uses the first)")
-    ap.add_argument("--commit", choices=COMMIT_RULES, default=None,
-                    help=COMMIT_HELP + "; default: the checkpoint's")
+    ap.add_argument("--commit", choices=COMMIT_RULES, default=None, help=COMMIT_HELP + "; default: the checkpoint's")
     ap.add_argument("--json", default=None, help="write the benchmark rows here")
-    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
-    ap.add_argument("--dtype", default="float32", choices=list(DTYPES),
-                    help=DTYPE_HELP)
-    ap.add_argument("--device", default="cpu", help="torch device")
-    ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+    add_runtime_args(ap)
     args = ap.parse_args(argv)
-    print("config:", json.dumps(vars(args)))
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    start(args)
     import data
     if args.show:
         model, tok, stage = load_checkpoint(args.ckpt, args.attn, args.dtype)

@@ -204,20 +204,29 @@ def add_common_args(ap, **defaults):
     ap.add_argument("--tau-n", type=int, default=d["tau_n"],
                     help="test examples for the extra thresholds 0.9/0.6/0.4 (0 = all; a subset keeps CPU runs short)")
     ap.add_argument("--eval-batch", type=int, default=64, help="decoding batch size")
-    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
-    ap.add_argument("--dtype", default="float32", choices=list(DTYPES),
-                    help=DTYPE_HELP)
-    ap.add_argument("--device", default="cpu", help="torch device")
-    ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+    add_runtime_args(ap)
     ap.add_argument("--seed", type=int, default=0, help="seed for the init, the batch order and the noise")
     ap.add_argument("--fresh", action="store_true", help="ignore OUT/last and start over")
 
 
-def setup(args):
-    """Print the resolved config, set threads, make OUT; returns OUT as a Path."""
+def add_runtime_args(ap):
+    """Where and how a model runs (every stage and decode.py)."""
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help=DTYPE_HELP)
+    ap.add_argument("--device", default="cpu", help="torch device")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+
+
+def start(args):
+    """Print the resolved config and set the CPU threads."""
     print("config:", json.dumps(vars(args)))
     if args.threads:
         torch.set_num_threads(args.threads)
+
+
+def setup(args):
+    """start(), then make OUT; returns OUT as a Path."""
+    start(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     return out
