@@ -279,7 +279,7 @@ def replay_chunks(model, prompts, canvases, steps, block, mask_id, keep, pad_id=
             if tg:
                 all_p.append(p); all_resp.append(c); all_noisy.append(row); where.append((i, tg))
     for s in range(0, len(where), max_rows):
-        rows = build_rows(all_p[s:s + max_rows], all_resp[s:s + max_rows], block, noisy=all_noisy[s:s + max_rows], pad_id=pad_id)
+        rows = build_rows(all_p[s:s + max_rows], all_resp[s:s + max_rows], block, noisy=[all_noisy[s:s + max_rows]], pad_id=pad_id)
         src, _ = target_sources(rows, [len(c) for c in all_resp[s:s + max_rows]], block)
         b = torch.tensor([k for k, (_, tg) in enumerate(where[s:s + max_rows]) for _ in tg])
         r = torch.tensor([x for _, tg in where[s:s + max_rows] for x in tg])

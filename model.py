@@ -6,19 +6,22 @@ block-diffusion model is only (a) the attention mask we pass in, (b) the positio
 token in the input and (d) the loss. Every line that differs from plain AR is tagged `# [diffusion]`.
 
 Rows. A row is a sequence of segments, each token described by three integers (all (B, L) tensors):
-    seg  PAD | PROMPT | CLEAN (a response token we can see) | NOISY (a response token of x_t)
+    seg  PAD | PROMPT | CLEAN (a response token we can see) | NOISY + c (a response token of noisy copy c)
     blk  the response block of the token: response offset // block_size (-1 for prompt and pad)
     pos  its RoPE position id: 0..P-1 for the prompt, P..P+R-1 for the response
 One rule builds every mask we need from these (True = may attend):
     PROMPT key:  a prompt query sees earlier prompt tokens (causal); every response query sees the prompt
     CLEAN key:   a clean query sees clean blocks <= its own (so its own block, bidirectionally);
                  a noisy query sees clean blocks < its own                  # [diffusion]
-    NOISY key:   only noisy queries of the same block (bidirectional inside x_t's block)  # [diffusion]
+    NOISY key:   only noisy queries of the same copy and block (bidirectional inside x_t's block)  # [diffusion]
 With block_size = 1 the CLEAN rule is exactly causal attention: the AR model is the B = 1 case.
 
 Training layout (BD3-LM / Fast-dLLM v2; the paper does not say, so this is an assumption):
     [ prompt (P) | x_t: noisy response (R) | x_0: clean response (R) | pad ]
     positions [0..P-1 | P..P+R-1 | P..P+R-1]  -- duplicated, or RoPE silently breaks
+Several noisy copies can share one row, [prompt | x_t | x_t' | x_0]: copies never see each other, so each
+gets exactly the logits it would get in a row of its own, and the prompt and x_0 are computed once. CFT
+puts a response's two complementary masks in one row this way (31% fewer tokens than two rows).
 Token shift: the logit at position i-1 predicts token i, exactly as in the AR model. For response
 token r at offset j of its block the logit is read at
     j > 0:  x_t position r-1 (same noisy block)
@@ -274,9 +277,9 @@ def attention_mask(q, k):
     """(B, 1, Q, K) bool mask, True = attend, from the (seg, blk, pos) descriptors of queries and keys."""
     sq, bq, pq = (t[:, :, None] for t in q)
     sk, bk, pk = (t[:, None, :] for t in k)
-    see_prompt = (sk == PROMPT) & (((sq == PROMPT) & (pk <= pq)) | (sq == CLEAN) | (sq == NOISY))
-    see_clean = (sk == CLEAN) & (((sq == CLEAN) & (bk <= bq)) | ((sq == NOISY) & (bk < bq)))  # [diffusion] blocks
-    see_noisy = (sk == NOISY) & (sq == NOISY) & (bk == bq)  # [diffusion] x_t block sees itself only
+    see_prompt = (sk == PROMPT) & (((sq == PROMPT) & (pk <= pq)) | (sq == CLEAN) | (sq >= NOISY))
+    see_clean = (sk == CLEAN) & (((sq == CLEAN) & (bk <= bq)) | ((sq >= NOISY) & (bk < bq)))  # [diffusion] blocks
+    see_noisy = (sk >= NOISY) & (sk == sq) & (bk == bq)  # [diffusion] a block of a noisy copy sees itself only
     pad_self = (sq == PAD) & (sk == PAD)  # a pad query needs some key, or a kernel may return NaN
     return (see_prompt | see_clean | see_noisy | pad_self)[:, None]
 
@@ -289,25 +292,26 @@ def for_attention(mask, model):
     return mask
 
 
-def build_rows(prompts, responses, block, noisy=None, pad_id=0):
-    """Right-padded rows [prompt | (noisy response) | response | pad] and their descriptors.
+def build_rows(prompts, responses, block, noisy=(), pad_id=0):
+    """Right-padded rows [prompt | noisy copies | response | pad] and their descriptors.
 
-    prompts, responses, noisy: lists of token-id lists (noisy[i] has len(responses[i])). Returns a dict
-    of (B, L) tensors ids/seg/blk/pos and per row the column where each segment starts.
+    prompts, responses: lists of token-id lists. noisy: the noisy copies, each a list with one token-id
+    list per row (noisy[c][i] has len(responses[i])); () for plain rows. Returns a dict of (B, L) tensors
+    ids/seg/blk/pos and per row the columns where the segments start: (P, (start of each copy), x_0's start).
     """
     rows, starts = [], []
     for i, (p, r) in enumerate(zip(prompts, responses)):
         P, R = len(p), len(r)
         rblk = [j // block for j in range(R)]
         ids, seg, blk, pos = list(p), [PROMPT] * P, [-1] * P, list(range(P))
-        noisy_start = None
-        if noisy is not None:  # [diffusion] x_t before x_0, same positions
-            noisy_start = len(ids)
-            ids += noisy[i]; seg += [NOISY] * R; blk += rblk; pos += list(range(P, P + R))
+        noisy_starts = []
+        for c, copy in enumerate(noisy):  # [diffusion] x_t copies before x_0, same positions
+            noisy_starts.append(len(ids))
+            ids += copy[i]; seg += [NOISY + c] * R; blk += rblk; pos += list(range(P, P + R))
         clean_start = len(ids)
         ids += r; seg += [CLEAN] * R; blk += rblk; pos += list(range(P, P + R))
         rows.append((ids, seg, blk, pos))
-        starts.append((P, noisy_start, clean_start))
+        starts.append((P, tuple(noisy_starts), clean_start))
     L = max(len(r[0]) for r in rows)
     fill = (pad_id, PAD, -1, 0)
     out = {name: torch.tensor([r[j] + [fill[j]] * (L - len(r[j])) for r in rows])
@@ -316,20 +320,21 @@ def build_rows(prompts, responses, block, noisy=None, pad_id=0):
     return out
 
 
-def target_sources(rows, lengths, block):
-    """For every response token, the column whose logit predicts it (token shift; see the docstring).
+def target_sources(rows, lengths, block, copy=0):
+    """For every response token, the column whose logit predicts it (token shift; see the docstring),
+    reading noisy copy `copy` of a row that has noisy copies.
 
     Returns (B, Rmax) long columns and a (B, Rmax) bool mask of real tokens.
     """
     Rmax = max(lengths)
     src = torch.zeros(len(lengths), Rmax, dtype=torch.long)
     real = torch.zeros(len(lengths), Rmax, dtype=torch.bool)
-    for i, ((P, noisy_start, clean_start), R) in enumerate(zip(rows["starts"], lengths)):
+    for i, ((P, noisy_starts, clean_start), R) in enumerate(zip(rows["starts"], lengths)):
         r = torch.arange(R)
-        if noisy_start is None:  # plain row: position i-1 predicts i
+        if not noisy_starts:  # plain row: position i-1 predicts i
             col = clean_start + r - 1
         else:  # [diffusion] inside a block from x_t, at a block's first token from x_0's previous block
-            col = torch.where(r % block != 0, noisy_start + r - 1, clean_start + r - 1)
+            col = torch.where(r % block != 0, noisy_starts[copy] + r - 1, clean_start + r - 1)
         col[0] = P - 1  # the first response token is predicted by the last prompt token
         src[i, :R], real[i, :R] = col, True
     return src, real
@@ -406,35 +411,38 @@ def diffusion_loss(model, batch, block, mask_id, eos_id, lam_r=0.5, lam_o=1.0, t
     """Masked-diffusion loss of the module docstring on a batch (same dict as ar_loss).
 
     `masked` (B, Rmax) fixes the noise (tests); otherwise it is sampled (`noise_shape`: sample_noise). With
-    complementary=True each row is also trained with the inverted mask, so every response token is a
-    target once per pair; for suffix noise the second row masks the suffix of the other length, (1 - t) * block.
-    Returns (loss, number of scored tokens).
+    complementary=True each response is also trained with the inverted mask, so every response token is a
+    target once per pair; for suffix noise the second copy masks the suffix of the other length, (1 - t) * block.
+    The two noisy copies share one row, [prompt | x_t | x_t' | x_0] (module docstring): the same loss as one
+    row per copy, with the prompt and x_0 computed once. Returns (loss, number of scored tokens).
     """
     responses = [pad_to_block(r, block, eos_id) for r in batch["response_ids"]]
-    prompts, n_reasoning = list(batch["prompt_ids"]), list(batch["n_reasoning"])
     lengths = [len(r) for r in responses]
     if masked is None:
         masked, t = sample_noise(lengths, block, t_range, noise_per, generator, noise_shape)
     else:
         t = torch.ones(masked.shape)
     real = torch.arange(masked.shape[1])[None] < torch.tensor(lengths)[:, None]
-    masked = masked & real  # prompt and padding are never noised, never scored
+    copies = [(masked & real, t)]  # (which tokens are masked, their noise level); prompt and padding never are
     if complementary:
         t2 = (1 - t).clamp_min(t_range[0])
         other = suffix_mask(t2, block) if noise_shape == "suffix" else ~masked  # a suffix stays a suffix
-        masked, t = torch.cat([masked, other & real]), torch.cat([t, t2])
-        prompts, responses, lengths, n_reasoning = prompts * 2, responses * 2, lengths * 2, n_reasoning * 2
-    noisy = [[mask_id if masked[i, j] else tok for j, tok in enumerate(r)] for i, r in enumerate(responses)]
-    rows = build_rows(prompts, responses, block, noisy=noisy, pad_id=pad_id)
-    src, _ = target_sources(rows, lengths, block)
-    w = token_weights(lengths, n_reasoning, lam_r, lam_o)
-    b, j = masked.nonzero(as_tuple=True)
+        copies.append((other & real, t2))
+    noisy = [[[mask_id if m[i, j] else tok for j, tok in enumerate(r)] for i, r in enumerate(responses)] for m, _ in copies]
+    rows = build_rows(batch["prompt_ids"], responses, block, noisy=noisy, pad_id=pad_id)
+    w_all = token_weights(lengths, batch["n_reasoning"], lam_r, lam_o)
+    b, col, j, w, t = [], [], [], [], []  # per scored token: row, source column, response offset, weight, noise level
+    for c, (m, level) in enumerate(copies):
+        src, _ = target_sources(rows, lengths, block, copy=c)
+        bc, jc = m.nonzero(as_tuple=True)
+        b.append(bc); col.append(src[bc, jc]); j.append(jc); w.append(w_all[bc, jc]); t.append(level[bc, jc])
+    b, col, j, w, t = (torch.cat(x) for x in (b, col, j, w, t))
     if len(b) == 0:
         return torch.zeros((), requires_grad=True), 0
-    logits = gather_logits(model, hidden_states(model, rows), (b, src[b, j]))
+    logits = gather_logits(model, hidden_states(model, rows), (b, col))
     targets = torch.tensor([responses[bi][ji] for bi, ji in zip(b.tolist(), j.tolist())], device=logits.device)
     ce = F.cross_entropy(logits, targets, reduction="none")
-    w, t = w[b, j].to(logits.device), t[b, j].to(logits.device)
+    w, t = w.to(logits.device), t.to(logits.device)
     scale = w / t if inv_t else w  # assumption: no 1/t weight by default (as Fast-dLLM v2)
     return (scale * ce).sum() / w.sum(), len(b)
 

@@ -194,7 +194,7 @@ def plot_frontier(rows, path):
 def plot_masks(path, prompt=3, response=8, block=4):
     """The two attention patterns, drawn from model.py's own mask function (rows attend to columns)."""
     plt = pyplot()
-    train = build_rows([[1] * prompt], [[2] * response], block, noisy=[[3] * response])
+    train = build_rows([[1] * prompt], [[2] * response], block, noisy=[[[3] * response]])  # one noisy copy of one row
     dec = build_rows([[1] * prompt], [[2] * response], block)
     masks = [attention_mask(*[(r["seg"], r["blk"], r["pos"])] * 2)[0, 0].float() for r in (train, dec)]
     active = 1  # decoding: block 1 is being denoised; the prompt and block 0 sit in the KV cache

@@ -24,7 +24,7 @@ def test_noisy_half_equals_block_causal_forward_when_noisy_is_clean(attn):
     p, r = random_prompts(1)[0], random_prompts(1, 23, 24, seed=1)[0]
     block = 4
     plain = logits_of(model, build_rows([p], [r], block))          # [prompt | response], block-causal
-    both = logits_of(model, build_rows([p], [r], block, noisy=[r]))  # [prompt | x_t = x_0 | x_0]
+    both = logits_of(model, build_rows([p], [r], block, noisy=[[r]]))  # [prompt | x_t = x_0 | x_0]
     P, R = len(p), len(r)
     assert (both[:, P:P + R] - plain[:, P:P + R]).abs().max() <= 1e-5
     assert (both[:, P + R:] - plain[:, P:]).abs().max() <= 1e-5
@@ -44,7 +44,7 @@ def test_a_later_block_never_changes_earlier_blocks(attn):
 
 
 def test_mask_is_bidirectional_inside_a_block_and_causal_across():
-    rows = build_rows([[1, 2]], [[3, 4, 5, 6, 7]], block=2, noisy=[[MASK] * 5])
+    rows = build_rows([[1, 2]], [[3, 4, 5, 6, 7]], block=2, noisy=[[[MASK] * 5]])
     desc = (rows["seg"], rows["blk"], rows["pos"])
     m = attention_mask(desc, desc)[0, 0]
     N, C = 2, 7  # segment starts: noisy, clean (the prompt is columns 0-1)
@@ -60,7 +60,7 @@ def test_eager_and_sdpa_agree_on_the_padded_training_layout():
     eager, sdpa = tiny("eager"), tiny("sdpa")
     ps, rs = random_prompts(3), random_prompts(3, 9, 19, seed=3)
     noisy = [[MASK if i % 3 == 0 else t for i, t in enumerate(r)] for r in rs]
-    rows = build_rows(ps, rs, 4, noisy=noisy, pad_id=PAD)
+    rows = build_rows(ps, rs, 4, noisy=[noisy], pad_id=PAD)
     real = rows["seg"] != 0
     a, b = logits_of(eager, rows)[real], logits_of(sdpa, rows)[real]
     assert (a - b).abs().max() <= 1e-5
@@ -73,7 +73,7 @@ def test_eager_needs_an_additive_mask():
 
 
 def test_token_shift_sources():
-    rows = build_rows([[1, 2, 3]], [[4, 5, 6, 7, 8]], block=2, noisy=[[MASK] * 5])
+    rows = build_rows([[1, 2, 3]], [[4, 5, 6, 7, 8]], block=2, noisy=[[[MASK] * 5]])
     src, _ = target_sources(rows, [5], 2)
     P, N, C = 3, 3, 8
     assert src[0].tolist() == [P - 1, N + 0, C + 1, N + 2, C + 3]
@@ -96,7 +96,7 @@ def test_diffusion_loss_scores_only_masked_response_tokens():
     # the same two targets computed by hand from one forward of the layout
     resp0 = rs[0] + [EOS, EOS]  # padded to a whole block with the end token
     noisy0 = [MASK if masked[0, j] else t for j, t in enumerate(resp0)]
-    rows = build_rows([ps[0]], [resp0], block, noisy=[noisy0])
+    rows = build_rows([ps[0]], [resp0], block, noisy=[[noisy0]])
     logits = logits_of(model, rows)[0]
     src, _ = target_sources(rows, [8], block)
     ce = [torch.nn.functional.cross_entropy(logits[src[0, j]][None], torch.tensor([resp0[j]])) for j in (1, 5)]
@@ -105,6 +105,38 @@ def test_diffusion_loss_scores_only_masked_response_tokens():
     alone, _ = diffusion_loss(model, batch_of(ps[:1], rs[:1]), block, MASK, EOS, lam_r=1.0, lam_o=1.0,
                               complementary=False, masked=masked[:1])
     assert torch.allclose(loss, alone, atol=1e-6)
+
+
+def test_noisy_copies_sharing_a_row_get_the_logits_of_rows_of_their_own(attn):
+    model, block = tiny(attn), 4
+    ps, rs = random_prompts(2), random_prompts(2, 6, 11, seed=5)  # different lengths: padding in both layouts
+    g = torch.Generator().manual_seed(1)
+    copies = [[[MASK if torch.rand(1, generator=g) < 0.5 else x for x in r] for r in rs] for _ in range(2)]
+    shared = build_rows(ps, rs, block, noisy=copies, pad_id=PAD)
+    h = logits_of(model, shared)
+    for c in range(2):
+        alone = build_rows(ps, rs, block, noisy=[copies[c]], pad_id=PAD)
+        a = logits_of(model, alone)
+        for i, r in enumerate(rs):
+            src_shared, _ = target_sources(shared, [len(x) for x in rs], block, copy=c)
+            src_alone, _ = target_sources(alone, [len(x) for x in rs], block)
+            assert (h[i, src_shared[i, :len(r)]] - a[i, src_alone[i, :len(r)]]).abs().max() <= 1e-5
+    assert (shared["seg"] == 4).sum() == sum(map(len, rs))  # the second copy has a segment id of its own
+
+
+def test_complementary_loss_in_one_row_equals_the_two_rows_of_its_masks():
+    model, block = tiny(), 4
+    ps, rs = random_prompts(2), [[5, 6, 7, 8, 9, 10], [11, 12, 13]]  # padded to 8 and 4 tokens
+    masked = torch.rand(2, 8, generator=torch.Generator().manual_seed(2)) < 0.4
+    real = torch.arange(8)[None] < torch.tensor([[8], [4]])
+    args = (model, batch_of(ps, rs), block, MASK, EOS)
+    pair, n = diffusion_loss(*args, complementary=True, masked=masked)
+    one, n1 = diffusion_loss(*args, complementary=False, masked=masked)
+    two, n2 = diffusion_loss(*args, complementary=False, masked=~masked & real)
+    w = torch.tensor([0.5] * 3 + [1.0] * 5), torch.tensor([0.5] + [1.0] * 3)  # lambda_r on the first n_reasoning
+    w1, w2 = (sum(float(wi[m[i, :len(wi)]].sum()) for i, wi in enumerate(w)) for m in (masked, ~masked & real))
+    assert n == n1 + n2 == 8 + 4  # every real response token is a target exactly once per pair
+    assert torch.allclose(pair, (w1 * one + w2 * two) / (w1 + w2), atol=1e-5)
 
 
 def test_suffix_noise_masks_the_end_of_every_block_and_its_pair_the_other_end():
