@@ -95,8 +95,9 @@ def main(argv=None):
                                 **dec)
 
     steps = args.steps or max(1, round(args.epochs * len(train) / args.batch_size))
+    copies = "one noisy copy" if args.no_complementary else "two noisy copies (complementary masks)"
     print(f"CFT: {steps} steps of {args.batch_size} = {steps * args.batch_size / len(train):.2f} epochs of {len(train)} "
-          f"traces (x2 rows with complementary masks), block {args.block}")
+          f"traces, {copies} per row, block {args.block}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     start, state = (0, {}) if args.fresh else resume(out, model, opt)
     best, log = state.get("best", -1.0), Log(out, fresh=start == 0)

@@ -17,10 +17,10 @@ only the leftmost sub-block that still has masks may: the block is still run who
 positions at a time. The commit rule (`commit`; `choose` below) is "any" (the paper's), "prefix" (the
 leftmost mask and the confident run after it: the block fills left to right, several tokens per forward
 where the model is sure, and tau = 1.0 is AR order), or "joint" / "prefix-joint" (the same two orders,
-bounding the product of a step's confidences instead of each one). When the
-block has no masks left it is run once more to write its K/V into the cache (the commit forward); its last logit
-predicts the next block's first token. A row stops as soon as its end token is committed with every
-position before it filled. Batched: left-padded prompts, each row commits its own positions.
+bounding the product of a step's confidences instead of each one). When the block has no masks left
+it is run once more to write its K/V into the cache (the commit forward); its last logit predicts the
+next block's first token. A row stops as soon as its end token is committed with every position before
+it filled. Batched: left-padded prompts, each row commits its own positions.
 
 The *step map* records, for every generated token, the step of its block at which it was committed.
 `replay_rows` turns a trajectory back into the canvases it was decoded from, in the noisy+clean
@@ -127,8 +127,7 @@ def pick(logits, temperature, generator):
 def ar_generate(model, prompts, max_new, eos_id, pad_id, temperature=0.0, generator=None):
     """Plain AR decoding with a KV cache: one token per forward."""
     state = CachedModel(model, prompts, pad_id)
-    B = len(prompts)
-    out, done, nfe = [[] for _ in range(B)], torch.zeros(B, dtype=torch.bool, device=model.device), [1] * B
+    out, done, nfe = [[] for _ in prompts], torch.zeros(len(prompts), dtype=torch.bool, device=model.device), [1] * len(prompts)
     logits = state.edge
     for r in range(max_new):
         tok, _ = pick(logits, temperature, generator)
@@ -149,10 +148,8 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
     """Block-diffusion decoding (module docstring). Returns a Rollout with canvas, step map and NFE.
 
     use_cache=False recomputes the whole sequence at every step (the reference the cache must match).
-    sub_block > 0 only commits inside the leftmost sub-block of that size that still has masks
-    (Fast-dLLM v2's small blocks); 0 lets any masked position of the block be committed.
-    commit picks which positions a step commits (`choose`): "any" is the paper's rule (METHOD.md 5),
-    "prefix" fills the block left to right, "joint" / "prefix-joint" bound the product of the confidences.
+    sub_block > 0 only commits inside the leftmost sub-block of that size that still has masks (Fast-dLLM
+    v2's small blocks; 0: anywhere in the block); commit picks which positions a step commits (`choose`).
     on_step(block, step, canvas, committed, logits) is called after every step (viewer, tests).
     """
     if not 0 <= sub_block <= block:
@@ -262,29 +259,33 @@ def replay_rows(prompt, canvas, steps, block, mask_id):  # [diffusion]
     return noisy, targets
 
 
-def replay_chunks(model, prompts, canvases, steps, block, mask_id, keep, pad_id=0, max_rows=64):  # [diffusion]
+def replay_chunks(model, prompts, canvases, steps, block, mask_id, keep, pad_id=0, max_rows=64, pack=2):  # [diffusion]
     """Logits of every kept token from the canvas it was committed from, max_rows canvases at a time.
 
-    keep[i] is the number of leading response positions of trajectory i to score (its length up to
-    the end token). Yields (logits (n, V), the (trajectory, position) of each logits row) per chunk of
-    at most max_rows replayed canvases: a caller that trains calls backward on each chunk's loss as
-    it comes, so only max_rows canvases' activations are alive at once, however many steps the
-    trajectories took (an untrained student commits one token per step and needs one row for each).
-    """
-    all_p, all_resp, all_noisy, where = [], [], [], []
+    keep[i]: how many leading response positions of trajectory i to score (up to its end token). Yields
+    (logits (n, V), the (trajectory, position) of each logits row) per chunk: a caller that trains calls
+    backward on each chunk's loss as it comes, so only max_rows canvases' activations are alive at once.
+    Up to `pack` canvases of one trajectory share a row [prompt | canvas | canvas' | response] (model.py's
+    noisy copies): the same logits, with the prompt and response computed once per row, not per canvas."""
+    pack = min(pack, max_rows)
+    packs = []  # (trajectory, up to `pack` of its (canvas, positions committed from it))
     for i, (p, c, st) in enumerate(zip(prompts, canvases, steps)):
         noisy, targets = replay_rows(p, c, st, block, mask_id)
-        for row, tg in zip(noisy, targets):
-            tg = [r for r in tg if r < keep[i]]
-            if tg:
-                all_p.append(p); all_resp.append(c); all_noisy.append(row); where.append((i, tg))
-    for s in range(0, len(where), max_rows):
-        rows = build_rows(all_p[s:s + max_rows], all_resp[s:s + max_rows], block, noisy=[all_noisy[s:s + max_rows]], pad_id=pad_id)
-        src, _ = target_sources(rows, [len(c) for c in all_resp[s:s + max_rows]], block)
-        b = torch.tensor([k for k, (_, tg) in enumerate(where[s:s + max_rows]) for _ in tg])
-        r = torch.tensor([x for _, tg in where[s:s + max_rows] for x in tg])
-        order = [(i, x) for i, tg in where[s:s + max_rows] for x in tg]
-        yield gather_logits(model, hidden_states(model, rows), (b, src[b, r])), order
+        scored = [(row, tg) for row, tg in zip(noisy, ([r for r in t if r < keep[i]] for t in targets)) if tg]
+        packs += [(i, scored[k:k + pack]) for k in range(0, len(scored), pack)]
+    per_chunk = max_rows // pack
+    for chunk in (packs[s:s + per_chunk] for s in range(0, len(packs), per_chunk)):
+        n_copies = max(len(cs) for _, cs in chunk)  # a shorter pack repeats its last canvas, scoring nothing from it
+        noisy = [[cs[min(c, len(cs) - 1)][0] for _, cs in chunk] for c in range(n_copies)]
+        responses = [canvases[i] for i, _ in chunk]
+        rows = build_rows([prompts[i] for i, _ in chunk], responses, block, noisy=noisy, pad_id=pad_id)
+        src = [target_sources(rows, [len(r) for r in responses], block, copy=c)[0] for c in range(n_copies)]
+        b, col, order = [], [], []
+        for k, (i, cs) in enumerate(chunk):  # canvas by canvas: the order does not depend on pack or max_rows
+            for c, (_, targets) in enumerate(cs):
+                for r in targets:
+                    b.append(k); col.append(int(src[c][k, r])); order.append((i, r))
+        yield gather_logits(model, hidden_states(model, rows), (torch.tensor(b), torch.tensor(col))), order
 
 
 def add_decoder_args(ap):  # [diffusion]
@@ -322,8 +323,7 @@ def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_si
             parts[i] = (out.tokens[k], out.canvas[k] if out.canvas else None, out.steps[k] if out.steps else None, out.nfe[k])
     synchronize(model.device)
     seconds = time.perf_counter() - t0
-    cols = list(zip(*[parts[i] for i in range(len(prompts))]))
-    return Rollout(tokens=list(cols[0]), canvas=list(cols[1]), steps=list(cols[2]), nfe=list(cols[3])), seconds
+    return Rollout(*map(list, zip(*[parts[i] for i in range(len(prompts))]))), seconds  # fields in Rollout's order
 
 
 @torch.no_grad()

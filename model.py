@@ -21,7 +21,7 @@ Training layout (BD3-LM / Fast-dLLM v2; the paper does not say, so this is an as
     positions [0..P-1 | P..P+R-1 | P..P+R-1]  -- duplicated, or RoPE silently breaks
 Several noisy copies can share one row, [prompt | x_t | x_t' | x_0]: copies never see each other, so each
 gets exactly the logits it would get in a row of its own, and the prompt and x_0 are computed once. CFT
-puts a response's two complementary masks in one row this way (31% fewer tokens than two rows).
+puts a response's two complementary masks in one row this way (synthetic default: 825 tokens, not 2 x 601).
 Token shift: the logit at position i-1 predicts token i, exactly as in the AR model. For response
 token r at offset j of its block the logit is read at
     j > 0:  x_t position r-1 (same noisy block)

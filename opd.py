@@ -51,6 +51,7 @@ def parse_args(argv=None):
                     help="score each token from a clean prefix instead of its replayed canvas (assumption: replay)")
     ap.add_argument("--chunk", type=int, default=8, help="trajectories per teacher forward (memory, not maths)")
     ap.add_argument("--rows", type=int, default=64, help="replayed canvases per backward pass (memory, not maths)")
+    ap.add_argument("--pack", type=int, default=2, help="replayed canvases of one trajectory per row (speed, not maths)")
     ap.add_argument("--kl-n", type=int, default=100, help="test prompts for the KL-to-teacher figure")
     add_common_args(ap, steps=80, batch_size=0, lr=1e-4, warmup=5, eval_every=40, val_n=200)
     return ap.parse_args(argv)
@@ -63,7 +64,8 @@ def check_vocab(student, s_tok, teacher, t_tok):
                          f"{teacher.config.vocab_size} rows, or different tokenizers)")
 
 
-def opd_losses(student, teacher, prompts, roll, block, mask_id, pad_id, reverse=False, clean_prefix=False, max_rows=64):
+def opd_losses(student, teacher, prompts, roll, block, mask_id, pad_id, reverse=False, clean_prefix=False, max_rows=64,
+               pack=2):
     """The loss in parts, one per chunk of replayed canvases: each token's KL divided by its trajectory's
     length. The parts sum to the sum over trajectories of the mean KL per generated token (divide by
     the number of trajectories); a caller that trains backwards each part as it comes (memory)."""
@@ -74,7 +76,7 @@ def opd_losses(student, teacher, prompts, roll, block, mask_id, pad_id, reverse=
     steps = roll.steps
     if clean_prefix:  # replaying a left-to-right step map gives exactly the clean-prefix canvases
         steps = [[r % block if s >= 0 else -1 for r, s in enumerate(st)] for st in steps]
-    for logits, order in replay_chunks(student, prompts, roll.canvas, steps, block, mask_id, keep, pad_id, max_rows):
+    for logits, order in replay_chunks(student, prompts, roll.canvas, steps, block, mask_id, keep, pad_id, max_rows, pack):
         kl = token_kl(logp_t[[offset[i] + r for i, r in order]], logits, reverse)
         length = torch.tensor([keep[i] for i, _ in order], device=kl.device, dtype=kl.dtype)
         yield (kl / length).sum()
@@ -137,7 +139,7 @@ def main(argv=None):
         for c in range(0, len(prompts), args.chunk):  # the teacher's distributions, chunk trajectories at a time
             part = roll.select(range(c, min(c + args.chunk, len(prompts))))
             for loss in opd_losses(student, teacher, prompts[c:c + args.chunk], part, block, tok.mask_token_id,
-                                   tok.pad_token_id, args.reverse, args.clean_prefix, args.rows):
+                                   tok.pad_token_id, args.reverse, args.clean_prefix, args.rows, args.pack):
                 (loss / len(prompts)).backward()  # gradient accumulation: one chunk of replayed canvases at a time
                 kl_sum += loss.item() / len(prompts)
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)

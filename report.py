@@ -194,17 +194,18 @@ def plot_frontier(rows, path):
 def plot_masks(path, prompt=3, response=8, block=4):
     """The two attention patterns, drawn from model.py's own mask function (rows attend to columns)."""
     plt = pyplot()
-    train = build_rows([[1] * prompt], [[2] * response], block, noisy=[[[3] * response]])  # one noisy copy of one row
+    x_t = [[3] * response]  # a noisy copy of the one row; CFT's row holds two (complementary masks)
+    train = build_rows([[1] * prompt], [[2] * response], block, noisy=[x_t, x_t])
     dec = build_rows([[1] * prompt], [[2] * response], block)
     masks = [attention_mask(*[(r["seg"], r["blk"], r["pos"])] * 2)[0, 0].float() for r in (train, dec)]
     active = 1  # decoding: block 1 is being denoised; the prompt and block 0 sit in the KV cache
     rows = slice(prompt + active * block, prompt + (active + 1) * block)
     masks[1][rows] *= 2  # the rows computed at each denoising step
-    names = [["prompt"] * prompt + [f"x_t b{j // block}" for j in range(response)] + [f"x_0 b{j // block}" for j in range(response)],
+    names = [["prompt"] * prompt + [f"{x} b{j // block}" for x in ("x_t", "x_t'", "x_0") for j in range(response)],
              ["prompt"] * prompt + [f"b{j // block}" + (" (active)" if j // block == active else "") for j in range(response)]]
-    titles = [f"training layout [prompt | noisy x_t | clean x_0], B = {block}",
+    titles = [f"CFT's training row [prompt | noisy x_t | its complement x_t' | clean x_0], B = {block}",
               f"decoding: block-causal; block {active} denoised against the cache"]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 6), gridspec_kw={"width_ratios": [1.5, 1]})
+    fig, axes = plt.subplots(1, 2, figsize=(15, 7.5), gridspec_kw={"width_ratios": [27, 11]})
     for ax, m, n, title in zip(axes, masks, names, titles):
         ax.imshow(m.numpy(), cmap="YlGnBu", vmin=0, vmax=2.3)  # numpy: matplotlib warns on tensors
         ax.set_xticks(range(len(n)), n, rotation=90, fontsize=7)

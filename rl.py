@@ -53,6 +53,7 @@ def parse_args(argv=None):
     ap.add_argument("--updates", type=int, default=1, help="optimizer steps per batch of rollouts (mu)")
     ap.add_argument("--chunk", type=int, default=8, help="rollouts scored together (memory, not maths)")
     ap.add_argument("--rows", type=int, default=64, help="replayed canvases per backward pass (memory, not maths)")
+    ap.add_argument("--pack", type=int, default=2, help="replayed canvases of one trajectory per row (speed, not maths)")
     ap.add_argument("--trained-only", action="store_true",  # assumption: off, the starting weights compete
                     help="keep the best of RL's own checkpoints even when the starting weights had a higher held-out reward")
     # assumption: 5 steps (640 rollouts, 12 CPU minutes with the test) keep the whole recipe under 120 minutes;
@@ -61,14 +62,14 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def rollout_logprobs(model, policy, prompts, roll, block, mask_id, pad_id, temperature, max_rows=64):
+def rollout_logprobs(model, policy, prompts, roll, block, mask_id, pad_id, temperature, max_rows=64, pack=2):
     """Yield (log pi(y_i) of kept tokens, their rollout index) in parts: every kept token (up to and
     including the end token) exactly once. A caller that trains backwards each part as it comes."""
     keep = [len(t) for t in roll.tokens]
     if policy == "ar":
         parts = [(ar_logits(model, prompts, roll.tokens, pad_id), [(i, r) for i, k in enumerate(keep) for r in range(k)])]
     else:  # [diffusion] each token from the canvas it was committed from, max_rows canvases at a time
-        parts = replay_chunks(model, prompts, roll.canvas, roll.steps, block, mask_id, keep, pad_id, max_rows)
+        parts = replay_chunks(model, prompts, roll.canvas, roll.steps, block, mask_id, keep, pad_id, max_rows, pack)
     for logits, order in parts:
         logp = torch.log_softmax(logits / max(temperature, 1e-6), -1)
         chosen = torch.tensor([roll.tokens[i][r] for i, r in order], device=logp.device)
@@ -103,7 +104,7 @@ def policy_update(model, opt, policy, prompts, roll, adv, kept, block, tok, args
     for update in range(args.updates):
         for c, idx in enumerate(chunks):
             parts = rollout_logprobs(model, policy, [prompts[i] for i in idx], roll.select(idx), block,
-                                     tok.mask_token_id, tok.pad_token_id, args.temperature, args.rows)
+                                     tok.mask_token_id, tok.pad_token_id, args.temperature, args.rows, args.pack)
             for k, (logp, owner) in enumerate(parts):
                 if update == 0:
                     old[c, k] = logp.detach()

@@ -164,8 +164,9 @@ def test_an_unknown_commit_rule_is_refused():
         gen(tiny(), random_prompts(1), block=4, tau=0.9, commit="random")
 
 
-@pytest.mark.parametrize("sub_block,commit", [(0, "any"), (2, "any"), (0, "prefix"), (0, "joint"), (2, "prefix-joint")])
-def test_replayed_logits_equal_the_decoders_logits_at_commit_time(attn, sub_block, commit):
+@pytest.mark.parametrize("sub_block,commit,pack", [(0, "any", 1), (2, "any", 2), (0, "prefix", 3), (0, "joint", 2),
+                                                   (2, "prefix-joint", 3)])  # pack: canvases sharing a row
+def test_replayed_logits_equal_the_decoders_logits_at_commit_time(attn, sub_block, commit, pack):
     model = tiny(attn, sharpen=30.0)
     prompts = random_prompts(2, 5, 12)
     seen = {}
@@ -176,9 +177,9 @@ def test_replayed_logits_equal_the_decoders_logits_at_commit_time(attn, sub_bloc
 
     out = gen(model, prompts, block=4, tau=0.7, on_step=record, sub_block=sub_block, commit=commit)
     keep = [len(t) for t in out.tokens]
-    parts = list(replay_chunks(model, prompts, out.canvas, out.steps, 4, MASK, keep, pad_id=PAD, max_rows=3))
+    parts = list(replay_chunks(model, prompts, out.canvas, out.steps, 4, MASK, keep, pad_id=PAD, max_rows=3, pack=pack))
     logits, order = torch.cat([lg for lg, _ in parts]), [o for _, od in parts for o in od]
-    assert len(order) == sum(keep)
+    assert len(order) == sum(keep) and sorted(order) == sorted(set(order))  # every kept token exactly once
     for row, key in zip(logits, order):
         ref = seen[key]
         ok = torch.isfinite(ref)

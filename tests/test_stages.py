@@ -55,22 +55,23 @@ def test_opd_loss_is_positive_against_another_teacher():
     assert opd_loss(student, teacher, prompts, roll, 4, MASK, PAD).item() > 0.01
 
 
-def test_opd_gradient_does_not_depend_on_how_many_canvases_go_through_at_once():
-    """--rows bounds memory, not maths: one canvas per backward gives the gradient of all at once."""
+def test_opd_gradient_does_not_depend_on_how_many_canvases_go_through_at_once_or_share_a_row():
+    """--rows bounds memory and --pack saves time, not maths: one canvas per backward, or three canvases
+    in one row, give the gradient of all at once."""
     student, teacher = tiny(sharpen=4.0), tiny(seed=1, sharpen=4.0)
     prompts = random_prompts(3)
     roll = diffusion_generate(student, prompts, 4, 0.9, 12, MASK, EOS, PAD, temperature=1.0,
                               generator=torch.Generator().manual_seed(3))
     grads, totals = [], []
-    for max_rows in (64, 1):
+    for max_rows, pack in ((64, 1), (64, 3), (1, 1)):  # the last: one part per canvas
         student.zero_grad()
-        parts = list(opd_losses(student, teacher, prompts, roll, 4, MASK, PAD, max_rows=max_rows))
+        parts = list(opd_losses(student, teacher, prompts, roll, 4, MASK, PAD, max_rows=max_rows, pack=pack))
         for part in parts:
             part.backward()
         totals.append(sum(p.item() for p in parts))
         grads.append(torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None]))
-    assert len(parts) > 1 and abs(totals[0] - totals[1]) < 1e-5
-    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    assert len(parts) > 1 and max(abs(t - totals[0]) for t in totals) < 1e-5
+    assert all(torch.allclose(g, grads[0], atol=1e-6) for g in grads[1:])
 
 
 def all_logprobs(model, policy, prompts, roll, block, max_rows=64):
@@ -130,7 +131,7 @@ def test_one_update_moves_probability_from_the_worse_rollout_to_the_better(polic
 
     before = summed_logp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    args = SimpleNamespace(updates=1, chunk=8, temperature=1.0, rows=64, clip=0.2)
+    args = SimpleNamespace(updates=1, chunk=8, temperature=1.0, rows=64, pack=2, clip=0.2)
     tok = SimpleNamespace(mask_token_id=MASK, pad_token_id=PAD)
     clip_frac = policy_update(model, opt, policy, prompts, roll, [1.0, -1.0], [0, 1], block, tok, args)
     after = summed_logp()
