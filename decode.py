@@ -25,7 +25,7 @@ it filled. Batched: left-padded prompts, each row commits its own positions.
 The *step map* records, for every generated token, the step of its block at which it was committed.
 `replay_rows` turns a trajectory back into the canvases it was decoded from, in the noisy+clean
 training layout of model.py; `replay_chunks` scores every token from the canvas it was committed from,
-a bounded number of canvases at a time. OPD and RL train through exactly these two functions.
+a bounded number of canvases at a time, two to a row. OPD and RL train through exactly these two functions.
 
     python decode.py --show --ckpt out/cft --data data/synthetic            # watch one example denoise
     python decode.py --bench --ar out/sft --diffusion out/rl --data data/synthetic --json out/bench.json

@@ -54,7 +54,10 @@ def parse_args(argv=None):
     ap.add_argument("--pack", type=int, default=2, help="replayed canvases of one trajectory per row (speed, not maths)")
     ap.add_argument("--kl-n", type=int, default=100, help="test prompts for the KL-to-teacher figure")
     add_common_args(ap, steps=80, batch_size=0, lr=1e-4, warmup=5, eval_every=40, val_n=200)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if min(args.rows, args.pack, args.chunk) < 1:
+        ap.error(f"--rows, --pack and --chunk must be at least 1, got {args.rows}, {args.pack}, {args.chunk}")
+    return args
 
 
 def check_vocab(student, s_tok, teacher, t_tok):

@@ -59,7 +59,10 @@ def parse_args(argv=None):
     # assumption: 5 steps (640 rollouts, 12 CPU minutes with the test) keep the whole recipe under 120 minutes;
     # a 15-step run (28 minutes) kept its step-5 checkpoint (README, Stage 3). With more time: --steps 15 or more.
     add_common_args(ap, steps=5, batch_size=0, lr=5e-5, warmup=2, eval_every=5, val_n=200)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if min(args.rows, args.pack, args.chunk) < 1:
+        ap.error(f"--rows, --pack and --chunk must be at least 1, got {args.rows}, {args.pack}, {args.chunk}")
+    return args
 
 
 def rollout_logprobs(model, policy, prompts, roll, block, mask_id, pad_id, temperature, max_rows=64, pack=2):

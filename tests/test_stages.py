@@ -137,3 +137,11 @@ def test_one_update_moves_probability_from_the_worse_rollout_to_the_better(polic
     after = summed_logp()
     assert clip_frac == 0.0  # one update: the ratio is exactly 1
     assert (after[0] - before[0]) - (after[1] - before[1]) > 1e-3
+
+
+@pytest.mark.parametrize("script,flag", [("opd", "--pack"), ("opd", "--rows"), ("rl", "--pack"), ("rl", "--chunk")])
+def test_replay_sizes_below_one_are_refused_with_a_clear_error(script, flag, capsys):
+    import importlib
+    with pytest.raises(SystemExit):
+        importlib.import_module(script).parse_args([flag, "0"])
+    assert "--rows, --pack and --chunk must be at least 1" in capsys.readouterr().err
