@@ -269,3 +269,15 @@ def test_gpu_preset_probe_measures_every_part_on_the_cpu(word_run, tmp_path):
         assert res[part]["seconds"] > 0 and res[part]["peak_gib"] is None, part  # no GPU memory on the CPU
     assert res["opd_rollout"]["trajectories"] == 2 and res["opd_replay_rows"] > 0
     assert res["decoder_forward_batch16"]["ratio"] > 0
+
+
+def test_pack_bench_times_every_layout(word_run):
+    """docs/pack_bench.py made the README's shared-row speed-ups; here it runs once on the tiny run."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("pack_bench", ROOT / "docs" / "pack_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    d, out = word_run
+    med = bench.main(["--ckpt", str(out / "cft"), "--data", str(d), "--batch-size", "2", "--rounds", "1"])
+    assert {"packed: one row, two noisy copies", "a row per copy", "pack 1", "pack 4"} <= set(med)
+    assert all(t > 0 for t in med.values())
