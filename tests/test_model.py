@@ -114,13 +114,14 @@ def test_noisy_copies_sharing_a_row_get_the_logits_of_rows_of_their_own(attn):
     copies = [[[MASK if torch.rand(1, generator=g) < 0.5 else x for x in r] for r in rs] for _ in range(2)]
     shared = build_rows(ps, rs, block, noisy=copies, pad_id=PAD)
     h = logits_of(model, shared)
-    for c in range(2):
+    lengths = [len(r) for r in rs]
+    for c in range(2):  # every logit that predicts a response token from copy c, read in both layouts
         alone = build_rows(ps, rs, block, noisy=[copies[c]], pad_id=PAD)
         a = logits_of(model, alone)
-        for i, r in enumerate(rs):
-            src_shared, _ = target_sources(shared, [len(x) for x in rs], block, copy=c)
-            src_alone, _ = target_sources(alone, [len(x) for x in rs], block)
-            assert (h[i, src_shared[i, :len(r)]] - a[i, src_alone[i, :len(r)]]).abs().max() <= 1e-5
+        src_shared, _ = target_sources(shared, lengths, block, copy=c)
+        src_alone, _ = target_sources(alone, lengths, block)
+        for i, n in enumerate(lengths):
+            assert (h[i, src_shared[i, :n]] - a[i, src_alone[i, :n]]).abs().max() <= 1e-5
     assert (shared["seg"] == 4).sum() == sum(map(len, rs))  # the second copy has a segment id of its own
 
 
