@@ -279,13 +279,11 @@ def replay_chunks(model, prompts, canvases, steps, block, mask_id, keep, pad_id=
         noisy = [[cs[min(c, len(cs) - 1)][0] for _, cs in chunk] for c in range(n_copies)]
         responses = [canvases[i] for i, _ in chunk]
         rows = build_rows([prompts[i] for i, _ in chunk], responses, block, noisy=noisy, pad_id=pad_id)
-        src = [target_sources(rows, [len(r) for r in responses], block, copy=c)[0] for c in range(n_copies)]
-        b, col, order = [], [], []
-        for k, (i, cs) in enumerate(chunk):  # canvas by canvas: the order does not depend on pack or max_rows
-            for c, (_, targets) in enumerate(cs):
-                for r in targets:
-                    b.append(k); col.append(int(src[c][k, r])); order.append((i, r))
-        yield gather_logits(model, hidden_states(model, rows), (torch.tensor(b), torch.tensor(col))), order
+        src = torch.stack([target_sources(rows, [len(r) for r in responses], block, copy=c)[0] for c in range(n_copies)])
+        # canvas by canvas (copy c of row k, position r): the order does not depend on pack or max_rows
+        c, k, r = torch.tensor([(c, k, r) for k, (_, cs) in enumerate(chunk) for c, (_, tg) in enumerate(cs) for r in tg]).T
+        order = [(i, r) for i, cs in chunk for _, tg in cs for r in tg]
+        yield gather_logits(model, hidden_states(model, rows), (k, src[c, k, r])), order
 
 
 def add_decoder_args(ap):  # [diffusion]
