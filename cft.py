@@ -15,7 +15,10 @@ answer, weighted lambda_r / lambda_o), in the noisy + clean layout with token sh
 No constrained decoder anywhere: the valid permutations must come from the model. Validation uses the
 real block-diffusion decoder at tau = 1.0 and tau = 0.9. `--commit prefix` decodes left to right (the
 leftmost mask and the confident run after it, decode.py), and `--noise-shape suffix` then trains on just
-the canvases that rule decodes from: the last t * B positions of each block masked.
+the canvases that rule decodes from: the last t * B positions of each block masked. By default finished
+tokens stay causal, as the AR parent computed them (`--context causal`, NBDiff; model.py), and CFT adds
+0.5 times the AR loss on the clean copy x_0, read from the same forward: L = L_CFT + w_AR L_AR
+(`--ar-weight`); `--context block` is METHOD.md's BD3-LM layout, without the AR loss.
 
     python cft.py --data data/synthetic --init out/sft --out out/naive --epochs 0    # the naive row
     python cft.py --data data/synthetic --init out/sft --out out/cft                  # CPU (~40 min)
@@ -34,8 +37,8 @@ from tqdm import tqdm
 import data
 import eval as metrics
 from decode import COMMIT_HELP, COMMIT_RULES, validate
-from model import (HelpFormatter, Log, add_common_args, batch_indices, collate, diffusion_loss, init_mask_embedding,
-                   keep_best, load_best, load_checkpoint, lr_at, resume, save_checkpoint, setup)
+from model import (CONTEXTS, HelpFormatter, Log, add_common_args, batch_indices, collate, context_of, diffusion_loss,
+                   init_mask_embedding, keep_best, load_best, load_checkpoint, lr_at, resume, save_checkpoint, setup)
 
 TAUS = (0.9, 0.6, 0.4)  # the paper's speed settings, reported next to tau = 1.0
 
@@ -62,20 +65,35 @@ def parse_args(argv=None):
                     help="do not also train each row with the inverted mask (assumption: complementary masks on)")
     ap.add_argument("--commit", choices=COMMIT_RULES, default="any",  # [diffusion] assumption: any, the paper's decoder
                     help=COMMIT_HELP + "; saved with the checkpoint, inherited like --sub-block")
+    ap.add_argument("--context", choices=list(CONTEXTS), default="causal",  # [diffusion] assumption: causal, measured better
+                    # than METHOD.md's block (README, CFT section)
+                    help="how finished response tokens attend to each other: " +
+                         "; ".join(f"{k}: {v}" for k, v in CONTEXTS.items()) + "; saved with the model")
+    ap.add_argument("--ar-weight", type=float, default=None,  # [diffusion] assumption: 0.5 (NBDiff adds one; README)
+                    help="weight of an AR loss on the clean copy x_0, read from the same forward; needs --context causal "
+                         "(default: 0.5 with --context causal, 0 with block)")
     add_common_args(ap, steps=0, batch_size=16, lr=7e-4, warmup=50, eval_every=150, val_n=100)
     args = ap.parse_args(argv)
     if not 0 <= args.sub_block <= args.block:
         ap.error(f"--sub-block must be between 0 (off) and --block {args.block}, got {args.sub_block}")
+    if args.ar_weight is None:
+        args.ar_weight = 0.5 if args.context == "causal" else 0.0
+    if args.ar_weight and args.context != "causal":
+        ap.error("--ar-weight needs --context causal (under block context x_0 sees its whole block)")
     return args
 
 
-def convert(init, attn, dtype):  # [diffusion]
-    """The AR checkpoint as a block-diffusion model: same weights, the mask token's row initialised."""
+def convert(init, attn, dtype, context="causal"):  # [diffusion]
+    """The AR checkpoint as a block-diffusion model: same weights, the mask token's row initialised, the
+    context rule set in its config (model.CONTEXTS; saved with it, read by every later forward)."""
     model, tok, parent = load_checkpoint(init, attn, dtype)
     if parent.get("block_size"):
         print(f"note: {init} is already a block-diffusion checkpoint (block {parent['block_size']})")
+        if context_of(model) != context:
+            raise ValueError(f"{init} was trained with --context {context_of(model)}, not {context}")
     else:
         init_mask_embedding(model, tok.mask_token_id, len(tok))
+        model.config.diffusion_context = context
     return model, tok, parent
 
 
@@ -83,11 +101,12 @@ def main(argv=None):
     args = parse_args(argv)
     out = setup(args)
     train, valid, test, sid = data.load_splits(args.data, args.val_n, args.test_n)
-    model, tok, parent = convert(args.init, args.attn, args.dtype)
+    model, tok, parent = convert(args.init, args.attn, args.dtype, args.context)
     model.to(args.device)
     max_new = max(parent["max_new"], args.block * math.ceil(parent["max_new"] / args.block))
     dec = {"sub_block": args.sub_block, "commit": args.commit}  # [diffusion] the decoder every later stage inherits
     stage = {"stage": "cft" if args.epochs else "naive", "parent": str(args.init), "block_size": args.block, **dec,
+             "context": args.context,
              "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
     if args.epochs == 0:  # the naive conversion: no training at all
         save_checkpoint(out, model, tok, {**stage, "step": 0})
@@ -97,7 +116,8 @@ def main(argv=None):
     steps = args.steps or max(1, round(args.epochs * len(train) / args.batch_size))
     copies = "one noisy copy" if args.no_complementary else "two noisy copies (complementary masks)"
     print(f"CFT: {steps} steps of {args.batch_size} = {steps * args.batch_size / len(train):.2f} epochs of {len(train)} "
-          f"traces, {copies} per row, block {args.block}")
+          f"traces, {copies} per row, block {args.block}, {args.context} context"
+          + (f", AR loss on x_0 x {args.ar_weight}" if args.ar_weight else ""))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     start, state = (0, {}) if args.fresh else resume(out, model, opt)
     best, log = state.get("best", -1.0), Log(out, fresh=start == 0)
@@ -114,7 +134,7 @@ def main(argv=None):
         loss, n_scored = diffusion_loss(model, batch, args.block, tok.mask_token_id, tok.eos_token_id,  # [diffusion]
                                         args.lambda_r, args.lambda_o, (args.t_min, args.t_max), args.noise_per,
                                         args.inv_t, not args.no_complementary, pad_id=tok.pad_token_id, generator=noise,
-                                        noise_shape=args.noise_shape)
+                                        noise_shape=args.noise_shape, ar_weight=args.ar_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -18,9 +18,9 @@ positions at a time. The commit rule (`commit`; `choose` below) is "any" (the pa
 leftmost mask and the confident run after it: the block fills left to right, several tokens per forward
 where the model is sure, and tau = 1.0 is AR order), or "joint" / "prefix-joint" (the same two orders,
 bounding the product of a step's confidences instead of each one). When the block has no masks left
-it is run once more to write its K/V into the cache (the commit forward); its last logit predicts the
-next block's first token. A row stops as soon as its end token is committed with every position before
-it filled. Batched: left-padded prompts, each row commits its own positions.
+it is run once more, as finished tokens (model.py's context rule), to write its K/V into the cache (the
+commit forward); its last logit predicts the next block's first token. A row stops as soon as its end
+token is committed with every position before it filled. Batched: left-padded prompts, each row commits its own positions.
 
 The *step map* records, for every generated token, the step of its block at which it was committed.
 `replay_rows` turns a trajectory back into the canvases it was decoded from, in the noisy+clean
@@ -41,8 +41,8 @@ import torch
 from transformers import DynamicCache
 
 import eval as metrics
-from model import (CLEAN, PAD, PROMPT, HelpFormatter, add_runtime_args, attention_mask, build_rows, compute, for_attention,
-                   gather_logits, hidden_states, load_checkpoint, start, target_sources)
+from model import (CLEAN, NOISY, PAD, PROMPT, HelpFormatter, add_runtime_args, attention_mask, build_rows, compute,
+                   context_of, for_attention, gather_logits, hidden_states, load_checkpoint, start, target_sources)
 
 
 COMMIT_RULES = ("any", "prefix", "joint", "prefix-joint")  # [diffusion] which confident positions a step may commit (docstring)
@@ -87,7 +87,7 @@ class CachedModel:
     def forward(self, ids, desc, keep):
         """Logits (B, n, V) at the n positions of `ids`; keep=False crops the cache back afterwards."""
         keys = tuple(torch.cat([a, b], 1) for a, b in zip(self.keys, desc))
-        mask = attention_mask(desc, keys)
+        mask = attention_mask(desc, keys, context_of(self.model))
         with compute(self.model):
             out = self.model.model(input_ids=ids, attention_mask=for_attention(mask, self.model), position_ids=desc[2],
                                    cache=self.cache, use_cache=True)
@@ -98,17 +98,18 @@ class CachedModel:
             self.cache.crop(-ids.shape[1])  # [diffusion] a denoising step only reads the cache
         return logits
 
-    def response_desc(self, start, n, block):
-        """Descriptors of response positions start..start+n-1 (clean, block-causal)."""
+    def response_desc(self, start, n, block, seg=CLEAN):
+        """Descriptors of response positions start..start+n-1: finished (CLEAN) or being denoised (NOISY)."""
         r = torch.arange(start, start + n, device=self.prompt_len.device)
         B = len(self.prompt_len)
-        return (torch.full((B, n), CLEAN, device=r.device), (r // block).expand(B, n), self.prompt_len[:, None] + r[None])
+        return (torch.full((B, n), seg, device=r.device), (r // block).expand(B, n), self.prompt_len[:, None] + r[None])
 
     def recompute(self, response, block):
         """No cache: logits predicting response tokens 0..n-1 (token shift), from one full forward."""
         ids = torch.cat([self.prompt_ids, response], 1)
         desc = tuple(torch.cat([a, b], 1) for a, b in zip(self.prompt_desc, self.response_desc(0, response.shape[1], block)))
-        mask = for_attention(attention_mask(desc, desc), self.model)
+        desc[0][:, -block:] = NOISY  # [diffusion] the last block is the one being denoised
+        mask = for_attention(attention_mask(desc, desc, context_of(self.model)), self.model)
         P = self.prompt_ids.shape[1]
         with compute(self.model):
             h = self.model.model(input_ids=ids, attention_mask=mask, position_ids=desc[2]).last_hidden_state
@@ -166,7 +167,7 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
     cols = torch.arange(block, device=dev)  # position in the block, used at every step
     for b in range(n_blocks):
         lo, hi = b * block, (b + 1) * block
-        desc = state.response_desc(lo, block, block)
+        desc, noisy = state.response_desc(lo, block, block), state.response_desc(lo, block, block, NOISY)  # [diffusion]
         for s in range(block):
             masked = (canvas[:, lo:hi] == mask_id) & ~done[:, None]
             if not masked.any():
@@ -175,7 +176,7 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
                 pred = state.recompute(canvas[:, :hi], block)[:, lo:hi]
                 nfe += masked.any(1)
             elif masked[:, 1:].any():  # positions j >= 1 need a forward; j = 0 reads the previous block's logit
-                logits = state.forward(canvas[:, lo:hi], desc, keep=False)
+                logits = state.forward(canvas[:, lo:hi], noisy, keep=False)
                 pred = torch.cat([state.edge[:, None], logits[:, :-1]], 1)  # token shift
                 nfe += masked.any(1)
             else:  # only position 0 is left (always so with block 1): no forward needed

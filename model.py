@@ -13,8 +13,12 @@ One rule builds every mask we need from these (True = may attend):
     PROMPT key:  a prompt query sees earlier prompt tokens (causal); every response query sees the prompt
     CLEAN key:   a clean query sees clean blocks <= its own (so its own block, bidirectionally);
                  a noisy query sees clean blocks < its own                  # [diffusion]
+                 (context "causal": a clean query sees clean tokens at positions <= its own, the AR
+                 parent's attention; noisy blocks are unchanged. NBDiff's context-causal mask.)
     NOISY key:   only noisy queries of the same copy and block (bidirectional inside x_t's block)  # [diffusion]
 With block_size = 1 the CLEAN rule is exactly causal attention: the AR model is the B = 1 case.
+The context rule is a property of the converted model (config.diffusion_context, saved with it): training,
+decoding and replay all read it from there, so a checkpoint is always run with the mask it was trained on.
 
 Training layout (BD3-LM / Fast-dLLM v2; the paper does not say, so this is an assumption):
     [ prompt (P) | x_t: noisy response (R) | x_0: clean response (R) | pad ]
@@ -47,6 +51,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 PAD, PROMPT, CLEAN, NOISY = 0, 1, 2, 3
+# How clean response tokens (x_0, and the finished blocks in the decoder's cache) see each other.  # [diffusion]
+CONTEXTS = {"block": "bidirectional inside each block (BD3-LM, Fast-dLLM v2)",
+            "causal": "causal, exactly as the AR parent computed them (NBDiff's context-causal mask)"}
 # Weight dtypes by name. "bf16-mixed" keeps float32 weights (and AdamW state) and runs every forward under
 # bfloat16 autocast: the GPU choice for training, since pure bfloat16 weights round away any update smaller
 # than about 1/256 of the weight (at lr 1e-6 most of them).
@@ -273,12 +280,18 @@ def collate(examples):
 
 
 # ----------------------------------------------------------------------------- rows and masks
-def attention_mask(q, k):
+def context_of(model):  # [diffusion]
+    """The model's context rule (CONTEXTS); an AR model or an older checkpoint: "block"."""
+    return getattr(model.config, "diffusion_context", "block")
+
+
+def attention_mask(q, k, context="block"):
     """(B, 1, Q, K) bool mask, True = attend, from the (seg, blk, pos) descriptors of queries and keys."""
     sq, bq, pq = (t[:, :, None] for t in q)
     sk, bk, pk = (t[:, None, :] for t in k)
     see_prompt = (sk == PROMPT) & (((sq == PROMPT) & (pk <= pq)) | (sq == CLEAN) | (sq >= NOISY))
-    see_clean = (sk == CLEAN) & (((sq == CLEAN) & (bk <= bq)) | ((sq >= NOISY) & (bk < bq)))  # [diffusion] blocks
+    clean_to_clean = (pk <= pq) if context == "causal" else (bk <= bq)  # [diffusion] CONTEXTS
+    see_clean = (sk == CLEAN) & (((sq == CLEAN) & clean_to_clean) | ((sq >= NOISY) & (bk < bq)))  # [diffusion] blocks
     see_noisy = (sk >= NOISY) & (sk == sq) & (bk == bq)  # [diffusion] a block of a noisy copy sees itself only
     pad_self = (sq == PAD) & (sk == PAD)  # a pad query needs some key, or a kernel may return NaN
     return (see_prompt | see_clean | see_noisy | pad_self)[:, None]
@@ -322,7 +335,7 @@ def build_rows(prompts, responses, block, noisy=(), pad_id=0):
 
 def target_sources(rows, lengths, block, copy=0):
     """For every response token, the column whose logit predicts it (token shift; see the docstring),
-    reading noisy copy `copy` of a row that has noisy copies.
+    reading noisy copy `copy` of a row that has noisy copies (copy=None: x_0's previous position, as in AR).
 
     Returns (B, Rmax) long columns and a (B, Rmax) bool mask of real tokens.
     """
@@ -331,7 +344,7 @@ def target_sources(rows, lengths, block, copy=0):
     real = torch.zeros(len(lengths), Rmax, dtype=torch.bool)
     for i, ((P, noisy_starts, clean_start), R) in enumerate(zip(rows["starts"], lengths)):
         r = torch.arange(R)
-        if not noisy_starts:  # plain row: position i-1 predicts i
+        if not noisy_starts or copy is None:  # plain row: position i-1 predicts i
             col = clean_start + r - 1
         else:  # [diffusion] inside a block from x_t, at a block's first token from x_0's previous block
             col = torch.where(r % block != 0, noisy_starts[copy] + r - 1, clean_start + r - 1)
@@ -346,7 +359,7 @@ def hidden_states(model, rows):
     Rows are built on the CPU; they move to the model's device here, at the model's door.
     """
     desc = tuple(rows[k].to(model.device) for k in ("seg", "blk", "pos"))
-    mask = attention_mask(desc, desc)
+    mask = attention_mask(desc, desc, context_of(model))
     with compute(model):
         out = model.model(input_ids=rows["ids"].to(model.device), attention_mask=for_attention(mask, model),
                           position_ids=desc[2])
@@ -407,15 +420,21 @@ def sample_noise(lengths, block, t_range=(1e-3, 1.0), per="block", generator=Non
 
 
 def diffusion_loss(model, batch, block, mask_id, eos_id, lam_r=0.5, lam_o=1.0, t_range=(1e-3, 1.0), noise_per="block",
-                   inv_t=False, complementary=True, masked=None, pad_id=0, generator=None, noise_shape="random"):  # [diffusion]
-    """Masked-diffusion loss of the module docstring on a batch (same dict as ar_loss).
+                   inv_t=False, complementary=True, masked=None, pad_id=0, generator=None, noise_shape="random",
+                   ar_weight=0.0):  # [diffusion]
+    """Masked-diffusion loss of the module docstring on a batch (same dict as ar_loss), plus ar_weight x the AR loss.
 
     `masked` (B, Rmax) fixes the noise (tests); otherwise it is sampled (`noise_shape`: sample_noise). With
     complementary=True each response is also trained with the inverted mask, so every response token is a
     target once per pair; for suffix noise the second copy masks the suffix of the other length, (1 - t) * block.
     The two noisy copies share one row, [prompt | x_t | x_t' | x_0] (module docstring): the same loss as one
     row per copy, with the prompt and x_0 computed once. Returns (loss, number of scored tokens).
+    ar_weight > 0 (NBDiff's AR guidance) adds ar_loss, read from the same forward: under the causal context
+    (CONTEXTS) x_0 is computed exactly as the AR model computes the response, so its logits are the AR ones.
     """
+    if ar_weight and context_of(model) != "causal":
+        raise ValueError("ar_weight > 0 needs the causal context: under 'block' each x_0 token sees its whole block, "
+                         "so x_0's logits are not next-token predictions")
     responses = [pad_to_block(r, block, eos_id) for r in batch["response_ids"]]
     lengths = [len(r) for r in responses]
     if masked is None:
@@ -439,12 +458,22 @@ def diffusion_loss(model, batch, block, mask_id, eos_id, lam_r=0.5, lam_o=1.0, t
     b, col, j, w, t = (torch.cat(x) for x in (b, col, j, w, t))
     if len(b) == 0:
         return torch.zeros((), requires_grad=True), 0
-    logits = gather_logits(model, hidden_states(model, rows), (b, col))
+    hidden = hidden_states(model, rows)
+    logits = gather_logits(model, hidden, (b, col))
     targets = torch.tensor([responses[bi][ji] for bi, ji in zip(b.tolist(), j.tolist())], device=logits.device)
     ce = F.cross_entropy(logits, targets, reduction="none")
     w, t = w.to(logits.device), t.to(logits.device)
     scale = w / t if inv_t else w  # assumption: no 1/t weight by default (as Fast-dLLM v2)
-    return (scale * ce).sum() / w.sum(), len(b)
+    loss = (scale * ce).sum() / w.sum()
+    if ar_weight:  # the response as the AR parent saw it (no eos padding), each token from x_0's previous position
+        true_lengths = [len(r) for r in batch["response_ids"]]
+        src, real = target_sources(rows, true_lengths, block, copy=None)
+        ab, aj = real.nonzero(as_tuple=True)
+        ar_targets = torch.tensor([responses[bi][ji] for bi, ji in zip(ab.tolist(), aj.tolist())], device=logits.device)
+        ar_ce = F.cross_entropy(gather_logits(model, hidden, (ab, src[ab, aj])), ar_targets, reduction="none")
+        ar_w = token_weights(true_lengths, batch["n_reasoning"], lam_r, lam_o)[ab, aj].to(logits.device)
+        loss = loss + ar_weight * (ar_w * ar_ce).sum() / ar_w.sum()
+    return loss, len(b)
 
 
 def token_kl(logp_teacher, logits_student, reverse=False):  # [diffusion] OPD

@@ -28,7 +28,7 @@ import data
 from decode import COMMIT_RULES, bench, evaluate, forward_cost_ratio
 from eval import (INVALID_CAUSES, METRIC_KEYS, SID_RE, bootstrap_ci, floor_rows, invalid_cause, paired_bootstrap,
                   read_jsonl, score_responses, sid_str, summarize, write_atomic, write_predictions)
-from model import HelpFormatter, attention_mask, build_rows, load_checkpoint
+from model import CONTEXTS, NOISY, HelpFormatter, attention_mask, build_rows, context_of, load_checkpoint
 
 STAGES = [("sft", "AR re-ranker (GR2)"), ("naive", "naive conversion"), ("cft", "+ CFT"),
           ("opd", "+ CFT + OPD"), ("rl", "+ CFT + OPD -> RL")]
@@ -191,20 +191,22 @@ def plot_frontier(rows, path):
     save(plt, fig, path)
 
 
-def plot_masks(path, prompt=3, response=8, block=4):
-    """The two attention patterns, drawn from model.py's own mask function (rows attend to columns)."""
+def plot_masks(path, context="causal", prompt=3, response=8, block=4):
+    """The two attention patterns under a context rule (model.CONTEXTS), drawn from model.py's own mask
+    function (rows attend to columns)."""
     plt = pyplot()
     x_t = [[3] * response]  # a noisy copy of the one row; CFT's row holds two (complementary masks)
     train = build_rows([[1] * prompt], [[2] * response], block, noisy=[x_t, x_t])
     dec = build_rows([[1] * prompt], [[2] * response], block)
-    masks = [attention_mask(*[(r["seg"], r["blk"], r["pos"])] * 2)[0, 0].float() for r in (train, dec)]
     active = 1  # decoding: block 1 is being denoised; the prompt and block 0 sit in the KV cache
+    dec["seg"][0, prompt + active * block:prompt + (active + 1) * block] = NOISY
+    masks = [attention_mask(*[(r["seg"], r["blk"], r["pos"])] * 2, context)[0, 0].float() for r in (train, dec)]
     rows = slice(prompt + active * block, prompt + (active + 1) * block)
     masks[1][rows] *= 2  # the rows computed at each denoising step
     names = [["prompt"] * prompt + [f"{x} b{j // block}" for x in ("x_t", "x_t'", "x_0") for j in range(response)],
              ["prompt"] * prompt + [f"b{j // block}" + (" (active)" if j // block == active else "") for j in range(response)]]
-    titles = [f"CFT's training row [prompt | noisy x_t | its complement x_t' | clean x_0], B = {block}",
-              f"decoding: block-causal; block {active} denoised against the cache"]
+    titles = [f"CFT's training row [prompt | noisy x_t | its complement x_t' | clean x_0], B = {block}, {context} context",
+              f"decoding: block {active} denoised against the cache"]
     fig, axes = plt.subplots(1, 2, figsize=(15, 7.5), gridspec_kw={"width_ratios": [27, 11]})
     for ax, m, n, title in zip(axes, masks, names, titles):
         ax.imshow(m.numpy(), cmap="YlGnBu", vmin=0, vmax=2.3)  # numpy: matplotlib warns on tensors
@@ -283,7 +285,7 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
                    sub_blocks=[t2_sub], commit=t2_commit)
         plot_frontier(t2, run / f"frontier{sfx}.png")
     plot_curves(run, run / "curves.png")
-    plot_masks(run / "masks.png")
+    plot_masks(run / "masks.png", context_of(diff) if final else "causal")
     stats = json.loads((Path(data_dir) / "stats.json").read_text())
     result = {"data": str(data_dir), "n_test": len(test), "table1": t1, "table1b_tau0.9": t1b, "table2": t2, "forward_cost_ratio": ratio,
               "final_diffusion": final, "data_stats": stats}
@@ -353,6 +355,7 @@ def main(argv=None):
     ap.add_argument("--tau-n", type=int, default=200, help="test examples for the tau = 0.9 ladder (0 = all)")
     ap.add_argument("--device", default="cpu", help="torch device for the decoding the report does")
     ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
+    ap.add_argument("--context", choices=list(CONTEXTS), default="causal", help="the context rule the figure draws")
     ap.add_argument("--paired", nargs=2, default=None, metavar=("A", "B"),
                     help="only compare two predictions.jsonl of the same test examples of --data: B - A with 95%% intervals")
     ap.add_argument("--sub-block", type=int, default=None,
@@ -361,7 +364,7 @@ def main(argv=None):
                     help="decode every diffusion stage with this commit rule instead of its own (writes results_{rule}.md)")
     args = ap.parse_args(argv)
     if args.masks_figure:
-        plot_masks(args.masks_figure)
+        plot_masks(args.masks_figure, args.context)
     elif args.paired:
         paired(*args.paired, args.data)
     elif args.report:

@@ -8,13 +8,14 @@
 #   bash run.sh --commit prefix --out out-px        # commit only confident runs from the leftmost mask, OPD and RL too
 #   bash run.sh --commit prefix --cft-epochs 7 --device cuda --out out-gpu   # one GPU: the longer CFT that meets
 #                                                   # the targets (README: Trained longer on a GPU)
+#   bash run.sh --context block                     # METHOD.md's block context, no AR loss: the README's tables
 #
 # A finished stage (its metrics.json exists) is skipped; an interrupted one resumes from its OUT/<stage>/last.
 # Every stage is also a script of its own: see the commands this prints.
 set -euo pipefail
 cd "$(dirname "$0")"
 
-SOURCE=synthetic RAW="" OUT="" QUICK=0 SUB=0 COMMIT=any DEVICE=cpu CFT_EPOCHS=""
+SOURCE=synthetic RAW="" OUT="" QUICK=0 SUB=0 COMMIT=any DEVICE=cpu CFT_EPOCHS="" CONTEXT=causal
 while [ $# -gt 0 ]; do
   case "$1" in
     --data) SOURCE="$2"; shift 2 ;;
@@ -25,7 +26,8 @@ while [ $# -gt 0 ]; do
     --commit) COMMIT="$2"; shift 2 ;;
     --device) DEVICE="$2"; shift 2 ;;          # every stage and the report (cpu, cuda, cuda:1, ...)
     --cft-epochs) CFT_EPOCHS="$2"; shift 2 ;;  # CFT's passes over the traces (cft.py's default: 2)
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --context) CONTEXT="$2"; shift 2 ;;        # cft.py --context: causal (default, with the AR loss) or block
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -70,8 +72,9 @@ if [ ! -f "$DATA/stats.json" ]; then
 fi
 D="--data $DATA --device $DEVICE"
 stage sft   python sft.py $D --out "$OUT/sft" $SFT
-stage naive python cft.py $D --init "$OUT/sft" --out "$OUT/naive" --epochs 0 --tau-n 100 --sub-block "$SUB" --commit "$COMMIT"
-stage cft   python cft.py $D --init "$OUT/sft" --out "$OUT/cft" --sub-block "$SUB" --commit "$COMMIT" $CFT  # opd, rl inherit it
+DEC="--sub-block $SUB --commit $COMMIT --context $CONTEXT"  # opd and rl inherit all three from cft
+stage naive python cft.py $D --init "$OUT/sft" --out "$OUT/naive" --epochs 0 --tau-n 100 $DEC
+stage cft   python cft.py $D --init "$OUT/sft" --out "$OUT/cft" $DEC $CFT
 stage opd   python opd.py $D --init "$OUT/cft" --teacher "$OUT/sft" --out "$OUT/opd" $OPD
 stage rl    python rl.py  $D --init "$OUT/opd" --out "$OUT/rl" $RL
 echo "== report: python eval.py --report --run $OUT $D $REPORT"

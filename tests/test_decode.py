@@ -10,8 +10,20 @@ def gen(model, prompts, block, tau, max_new=24, **kw):
     return diffusion_generate(model, prompts, block, tau, max_new, MASK, EOS, PAD, **kw)
 
 
-def test_block_size_one_is_ar_greedy(attn):
-    model = tiny(attn, sharpen=4.0)
+# The two context rules of model.CONTEXTS: the decoders must be exact under both. Block under both kernels,
+# causal under sdpa (the mask rule is one tensor for both kernels, and test_model.py runs it under both).
+KERNELS_AND_CONTEXTS = pytest.mark.parametrize("attn,context", [("eager", "block"), ("sdpa", "block"), ("sdpa", "causal")])
+
+
+def tiny_in(context, *args, **kw):
+    model = tiny(*args, **kw)
+    model.config.diffusion_context = context
+    return model
+
+
+@KERNELS_AND_CONTEXTS
+def test_block_size_one_is_ar_greedy(attn, context):
+    model = tiny_in(context, attn, sharpen=4.0)
     prompts = random_prompts(3)
     ar = ar_generate(model, prompts, 20, EOS, PAD)
     bd = gen(model, prompts, block=1, tau=0.9, max_new=20)
@@ -20,8 +32,9 @@ def test_block_size_one_is_ar_greedy(attn):
 
 
 @pytest.mark.parametrize("commit", COMMIT_RULES)
-def test_cache_and_no_cache_decode_the_same(attn, commit):
-    model = tiny(attn, sharpen=30.0)  # confident logits: several commits per step
+@KERNELS_AND_CONTEXTS
+def test_cache_and_no_cache_decode_the_same(attn, commit, context):
+    model = tiny_in(context, attn, sharpen=30.0)  # confident logits: several commits per step
     prompts = random_prompts(3, 4, 14)
     a = gen(model, prompts, block=4, tau=0.7, commit=commit)
     b = gen(model, prompts, block=4, tau=0.7, use_cache=False, commit=commit)
@@ -166,8 +179,9 @@ def test_an_unknown_commit_rule_is_refused():
 
 @pytest.mark.parametrize("sub_block,commit,pack", [(0, "any", 1), (2, "any", 2), (0, "prefix", 3), (0, "joint", 2),
                                                    (2, "prefix-joint", 3)])  # pack: canvases sharing a row
-def test_replayed_logits_equal_the_decoders_logits_at_commit_time(attn, sub_block, commit, pack):
-    model = tiny(attn, sharpen=30.0)
+@KERNELS_AND_CONTEXTS
+def test_replayed_logits_equal_the_decoders_logits_at_commit_time(attn, sub_block, commit, pack, context):
+    model = tiny_in(context, attn, sharpen=30.0)
     prompts = random_prompts(2, 5, 12)
     seen = {}
 

@@ -1,4 +1,5 @@
 """model.py: masks, the training layout, token shift, losses and checkpoints on tiny random models."""
+import pytest
 import torch
 
 from conftest import EOS, MASK, PAD, random_prompts, tiny
@@ -54,6 +55,39 @@ def test_mask_is_bidirectional_inside_a_block_and_causal_across():
     assert m[N + 2, C + 1] and not m[N + 2, C + 2]        # noisy block 1 sees clean block 0, not clean block 1
     assert m[C + 2, C + 3] and m[C + 3, C + 2] and not m[C + 1, C + 2]  # clean copy is block-causal
     assert not m[C:, N:C].any()                           # clean tokens never see noisy ones
+
+
+def test_causal_context_changes_only_how_clean_tokens_see_their_own_block():
+    rows = build_rows([[1, 2]], [[3, 4, 5, 6, 7]], block=2, noisy=[[[MASK] * 5]])
+    desc = (rows["seg"], rows["blk"], rows["pos"])
+    block, causal = attention_mask(desc, desc)[0, 0], attention_mask(desc, desc, "causal")[0, 0]
+    C = 7
+    assert block[C + 2, C + 3] and not causal[C + 2, C + 3]   # a clean token no longer sees the next one in its block
+    assert causal[C + 3, C + 2] and causal[C + 3, C + 1]       # ... but every earlier one
+    differ = block != causal
+    assert differ[C:, C:].sum() == 2 and not differ[:C].any()  # (2,3) and (4,5) of x_0 only; noisy rows unchanged
+
+
+def test_under_the_causal_context_x0_is_exactly_the_ar_forward(attn):
+    model = tiny(attn)
+    model.config.diffusion_context = "causal"
+    p, r = random_prompts(1)[0], random_prompts(1, 13, 14, seed=1)[0]
+    rows = build_rows([p], [r], 4, noisy=[[[MASK] * len(r)]])
+    ours = logits_of(model, rows)[:, -len(r):]  # the x_0 copy
+    plain = model(input_ids=torch.tensor([p + r])).logits[:, len(p):]  # HF's own causal path
+    assert (ours - plain).abs().max() <= 1e-5
+
+
+def test_ar_weight_adds_exactly_the_ar_loss_and_needs_the_causal_context():
+    model = tiny()
+    batch = {"prompt_ids": random_prompts(2), "response_ids": random_prompts(2, 6, 11, seed=3), "n_reasoning": [3, 5]}
+    masked = torch.rand(2, 12, generator=torch.Generator().manual_seed(0)) < 0.5
+    with pytest.raises(ValueError, match="causal context"):
+        diffusion_loss(model, batch, 4, MASK, EOS, masked=masked, ar_weight=0.5)
+    model.config.diffusion_context = "causal"
+    plain, _ = diffusion_loss(model, batch, 4, MASK, EOS, masked=masked)
+    both, _ = diffusion_loss(model, batch, 4, MASK, EOS, masked=masked, ar_weight=0.5)
+    assert abs((both - plain).item() - 0.5 * ar_loss(model, batch).item()) <= 1e-5
 
 
 def test_eager_and_sdpa_agree_on_the_padded_training_layout():

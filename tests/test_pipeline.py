@@ -26,7 +26,7 @@ QWEN = SHARED / "qwen3-tokenizer"
 METRIC_FILE_KEYS = {"recall@1", "recall@3", "ndcg@3", "recall@5", "ndcg@5", "valid_rate", "invalid", "n", "floor"}
 
 
-def run_pipeline(root, tokenizer, max_new=32):
+def run_pipeline(root, tokenizer, max_new=32, with_report=True):
     d, out = root / "data", root / "out"
     assert data.main(["--out", str(d), "--users", "150", "--max-eval", "4", "--tokenizer", tokenizer]) == 0
     common = ["--data", str(d), "--val-n", "2", "--eval-batch", "4"]
@@ -40,7 +40,8 @@ def run_pipeline(root, tokenizer, max_new=32):
                        "--commit", "prefix"])  # rl inherits the commit rule
     rl.main(common + ["--init", str(out / "opd"), "--out", str(out / "rl"), "--steps", "1", "--prompts-per-step", "1",
                       "--group", "2"])
-    report.report(out, d, bench_n=2, batch_sizes=(1,), taus=(1.0, 0.9))
+    if with_report:
+        report.report(out, d, bench_n=2, batch_sizes=(1,), taus=(1.0, 0.9))
     return d, out
 
 
@@ -49,7 +50,7 @@ def word_run(tmp_path_factory):
     return run_pipeline(tmp_path_factory.mktemp("word"), "word")
 
 
-def check_outputs(d, out):
+def check_outputs(d, out, with_report=True):
     for stage in ("sft", "naive", "cft", "opd", "rl"):
         m = json.loads((out / stage / "metrics.json").read_text())
         assert METRIC_FILE_KEYS <= set(m), stage
@@ -61,6 +62,10 @@ def check_outputs(d, out):
         assert stage_info["stage"] == stage and (stage == "sft") == (stage_info["block_size"] is None)
         assert stage_info.get("sub_block") == {"sft": None, "naive": 0}.get(stage, 4), stage
         assert stage_info.get("commit") == {"sft": None, "naive": "any", "cft": "any"}.get(stage, "prefix"), stage
+        config = json.loads((out / stage / "config.json").read_text())
+        assert config.get("diffusion_context") == {"sft": None}.get(stage, "causal"), stage  # the default, inherited
+    if not with_report:
+        return
     res = json.loads((out / "results.json").read_text())
     assert [r["name"] for r in res["table1"]][:2] == ["retriever floor", "AR re-ranker (GR2)"] and len(res["table1"]) == 6
     assert {"decoder", "tau", "batch", "recall@1", "valid_rate", "tokens_per_s", "tokens_per_forward", "speedup"} <= set(res["table2"][0])
@@ -162,6 +167,13 @@ def test_naive_conversion_keeps_every_ar_weight(word_run):
     assert stage["block_size"] == 8 and stage["mask_token_id"] == tok.mask_token_id
 
 
+def test_cft_from_a_diffusion_checkpoint_keeps_its_context(word_run):
+    _, out = word_run  # out/cft was trained with the default context, causal
+    with pytest.raises(ValueError, match="trained with --context causal, not block"):
+        cft.convert(out / "cft", "sdpa", "float32", "block")
+    assert model_lib.context_of(cft.convert(out / "cft", "sdpa", "float32", "causal")[0]) == "causal"
+
+
 def test_interrupted_training_resumes_to_the_same_weights(word_run, tmp_path, monkeypatch):
     d, _ = word_run
     args = ["--data", str(d), "--val-n", "2", "--eval-batch", "4", "--model", "micro", "--batch-size", "4",
@@ -187,8 +199,10 @@ def test_interrupted_training_resumes_to_the_same_weights(word_run, tmp_path, mo
 
 @pytest.mark.skipif(not QWEN.exists(), reason="shared Qwen3 tokenizer not present")
 def test_qwen3_tokenizer_pipeline(tmp_path):
-    d, out = run_pipeline(tmp_path, str(QWEN), max_new=16)  # 16: every logit row spans Qwen3's 151,936 tokens
-    check_outputs(d, out)
+    # max_new 16: every logit row spans Qwen3's 151,936 tokens; the report (tokenizer-independent beyond what
+    # every stage's test decode already does) runs on the word tokenizer's pipeline only, to keep the suite short
+    d, out = run_pipeline(tmp_path, str(QWEN), max_new=16, with_report=False)
+    check_outputs(d, out, with_report=False)
     _, tok, _ = load_checkpoint(out / "rl")
     assert tok.mask_token_id == 151669 and len(tok) > 151669
 

@@ -145,3 +145,11 @@ def test_replay_sizes_below_one_are_refused_with_a_clear_error(script, flag, cap
     with pytest.raises(SystemExit):
         importlib.import_module(script).parse_args([flag, "0"])
     assert "--rows, --pack and --chunk must be at least 1" in capsys.readouterr().err
+
+
+def test_cft_refuses_an_ar_loss_on_a_block_context(capsys):
+    import cft
+    with pytest.raises(SystemExit):
+        cft.parse_args(["--context", "block", "--ar-weight", "0.5"])
+    assert cft.parse_args(["--context", "block"]).ar_weight == 0.0 and cft.parse_args([]).ar_weight == 0.5
+    assert "--ar-weight needs --context causal" in capsys.readouterr().err
