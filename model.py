@@ -281,8 +281,8 @@ def collate(examples):
 
 # ----------------------------------------------------------------------------- rows and masks
 def context_of(model):  # [diffusion]
-    """The model's context rule (CONTEXTS); an AR model or an older checkpoint: "block"."""
-    return getattr(model.config, "diffusion_context", "block")
+    """The context rule (CONTEXTS) of a model or of its config; an AR model or an older checkpoint: "block"."""
+    return getattr(getattr(model, "config", model), "diffusion_context", "block")
 
 
 def attention_mask(q, k, context="block"):

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 import data
 from decode import COMMIT_RULES, bench, evaluate, forward_cost_ratio
@@ -285,7 +285,7 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
                    sub_blocks=[t2_sub], commit=t2_commit)
         plot_frontier(t2, run / f"frontier{sfx}.png")
     plot_curves(run, run / "curves.png")
-    plot_masks(run / "masks.png", context_of(diff) if final else "causal")
+    plot_masks(run / "masks.png", context_of(AutoConfig.from_pretrained(run / final)) if final else "causal")
     stats = json.loads((Path(data_dir) / "stats.json").read_text())
     result = {"data": str(data_dir), "n_test": len(test), "table1": t1, "table1b_tau0.9": t1b, "table2": t2, "forward_cost_ratio": ratio,
               "final_diffusion": final, "data_stats": stats}
@@ -355,7 +355,7 @@ def main(argv=None):
     ap.add_argument("--tau-n", type=int, default=200, help="test examples for the tau = 0.9 ladder (0 = all)")
     ap.add_argument("--device", default="cpu", help="torch device for the decoding the report does")
     ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
-    ap.add_argument("--context", choices=list(CONTEXTS), default="causal", help="the context rule the figure draws")
+    ap.add_argument("--context", choices=list(CONTEXTS), default="causal", help="the context rule --masks-figure draws (a report draws its final model's)")
     ap.add_argument("--paired", nargs=2, default=None, metavar=("A", "B"),
                     help="only compare two predictions.jsonl of the same test examples of --data: B - A with 95%% intervals")
     ap.add_argument("--sub-block", type=int, default=None,

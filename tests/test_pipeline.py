@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 import cft
 import data
@@ -64,6 +65,7 @@ def check_outputs(d, out, with_report=True):
         assert stage_info.get("commit") == {"sft": None, "naive": "any", "cft": "any"}.get(stage, "prefix"), stage
         config = json.loads((out / stage / "config.json").read_text())
         assert config.get("diffusion_context") == {"sft": None}.get(stage, "causal"), stage  # the default, inherited
+        assert model_lib.context_of(AutoConfig.from_pretrained(out / stage)) == {"sft": "block"}.get(stage, "causal")
     if not with_report:
         return
     res = json.loads((out / "results.json").read_text())
