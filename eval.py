@@ -203,7 +203,9 @@ def read_jsonl(path):
 
 # ----------------------------------------------------------------------------- the stage convention
 def write_atomic(path, text):
-    """Write text to a temporary file beside `path`, then rename: a reader never sees half a file."""
+    """Write text to a temporary file beside `path`, then rename: a reader never sees half a file.
+    The folder is made if missing (report.stage_predictions writes into RUN/report/ when called on its own)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(f"{path}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

@@ -110,3 +110,11 @@ def test_invalid_cause_by_hand(lines, answer_sids, cause):
     assert metrics.judge(text, cands)[1] != "valid"
     assert metrics.invalid_cause(text, cands) == cause
     assert metrics.invalid_cause("<think> no ranking here </think> []", cands) == "no ranking"
+
+
+def test_write_atomic_makes_the_folder_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "run" / "report" / "rows.jsonl"  # neither folder exists yet
+    metrics.write_atomic(path, "one\n")
+    metrics.write_atomic(path, "two\n")  # a rewrite replaces the file whole
+    assert path.read_text() == "two\n"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["rows.jsonl"]
