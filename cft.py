@@ -21,9 +21,9 @@ tokens stay causal, as the AR parent computed them (`--context causal`, NBDiff; 
 (`--ar-weight`); `--context block` is METHOD.md's BD3-LM layout, without the AR loss.
 
     python cft.py --data data/synthetic --init out/sft --out out/naive --epochs 0    # the naive row
-    python cft.py --data data/synthetic --init out/sft --out out/cft                  # CPU (~40 min)
+    python cft.py --data data/synthetic --init out/sft --out out/cft                  # CPU (40-80 min)
     python cft.py --data data/synthetic --init out/sft --out out/cft7 --epochs 7 --commit prefix \\
-        [--device cuda]                  # the valid-rate targets (README): 2.7 h on 2 CPU cores, ~4 min on an H200
+        --context block [--device cuda]  # the valid-rate targets (README): 2.7 h on 2 CPU cores, ~4 min on an H200
     python cft.py --data data/synthetic-qwen3 --init out/sft-qwen --out out/cft-qwen \\
         --dtype bf16-mixed --device cuda --batch-size 16 --lr 1e-5                      # one GPU
 """

@@ -17,7 +17,7 @@ Watch the identity rate (answers that copy the retriever order): the reward-hack
 The checkpoint kept is the one with the best held-out reward, the starting weights (step 0) included:
 a run in which RL only hurts ships what it was given and says so (`--trained-only` never keeps step 0).
 
-    python rl.py --data data/synthetic --init out/opd --out out/rl                 # CPU (~12 min)
+    python rl.py --data data/synthetic --init out/opd --out out/rl                 # CPU (12-23 min)
     python rl.py --data data/synthetic --init out/sft --out out/rl-ar --policy ar  # GR2's AR RL
     python rl.py --data data/synthetic-qwen3 --init out/opd-qwen --out out/rl-qwen \\
         --dtype bf16-mixed --device cuda --rows 16 --lr 5e-7 --steps 100 --warmup 5 --eval-every 25   # one GPU
@@ -56,8 +56,9 @@ def parse_args(argv=None):
     ap.add_argument("--pack", type=int, default=2, help="replayed canvases of one trajectory per row (speed, not maths)")
     ap.add_argument("--trained-only", action="store_true",  # assumption: off, the starting weights compete
                     help="keep the best of RL's own checkpoints even when the starting weights had a higher held-out reward")
-    # assumption: 5 steps (640 rollouts, 12 CPU minutes with the test) keep the whole recipe under 120 minutes;
-    # a 15-step run (28 minutes) kept its step-5 checkpoint (README, Stage 3). With more time: --steps 15 or more.
+    # assumption: 5 steps (640 rollouts; 12 CPU minutes with the test on a fast host, 23 on a slow one) kept the
+    # block-context recipe under 120 minutes; a 15-step run kept its step-5 checkpoint (README, Stage 3). With more
+    # time: --steps 15 or more.
     add_common_args(ap, steps=5, batch_size=0, lr=5e-5, warmup=2, eval_every=5, val_n=200)
     args = ap.parse_args(argv)
     if min(args.rows, args.pack, args.chunk) < 1:

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The whole Diffusion-GR2 recipe in one command: data -> AR re-ranker -> naive conversion -> CFT -> OPD -> RL -> report.
 #
-#   bash run.sh                                    # synthetic default on a CPU (117 min on 2 cores, measured)
-#   bash run.sh --quick                            # every stage for a few steps: the mechanics only (~4 min)
+#   bash run.sh                                    # synthetic default on a CPU (227 min on a slow 2-core host, measured)
+#   bash run.sh --quick                            # every stage for a few steps: the mechanics only (4-8 min)
 #   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # ~100 min, cut short
 #   bash run.sh --sub-block 8 --out out-sb8         # decode in sub-blocks of 8 (Fast-dLLM v2), OPD and RL too
 #   bash run.sh --commit prefix --out out-px        # commit only confident runs from the leftmost mask, OPD and RL too
-#   bash run.sh --commit prefix --cft-epochs 7 --device cuda --out out-gpu   # one GPU: the longer CFT that meets
-#                                                   # the targets (README: Trained longer on a GPU)
-#   bash run.sh --context block                     # METHOD.md's block context, no AR loss: the README's tables
+#   bash run.sh --context block --commit prefix --cft-epochs 7 --device cuda --out out-gpu   # one GPU: the longer
+#                                                   # CFT that met the targets (README: Trained longer on a GPU)
+#   bash run.sh --context block                     # METHOD.md's block context, no AR loss (117 min on a faster host)
 #
 # A finished stage (its metrics.json exists) is skipped; an interrupted one resumes from its OUT/<stage>/last.
 # Every stage is also a script of its own: see the commands this prints.

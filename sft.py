@@ -11,7 +11,7 @@ layout every later stage reads with --init / --teacher), and ends with the test 
 retriever floor (OUT/metrics.json, OUT/predictions.jsonl). Interrupted? Run the same command again:
 it resumes from OUT/last.
 
-    python sft.py --data data/synthetic --out out/sft                       # CPU, tiny model (~25 min)
+    python sft.py --data data/synthetic --out out/sft                       # CPU, tiny model (25-50 min)
     python sft.py --data data/synthetic-qwen3 --out out/sft-qwen --model Qwen/Qwen3-0.6B \\
         --dtype bf16-mixed --device cuda --batch-size 16 --lr 2e-5 --steps 2000          # one GPU
 """
