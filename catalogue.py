@@ -28,6 +28,7 @@ class DataError(ValueError):
 
 
 def _read_jsonl(path, required):
+    """[(line number, row)] of a JSON-lines file, blank lines skipped; a clear error at the first bad line."""
     rows = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -40,7 +41,7 @@ def _read_jsonl(path, required):
             missing = [k for k in required if k not in row]
             if missing:
                 raise DataError(f"{path}:{line_no}: missing field(s) {missing}")
-            rows.append(row)
+            rows.append((line_no, row))
     return rows
 
 
@@ -52,10 +53,10 @@ def read_jsonl_layout(raw):
         if len(hits) != 1:
             raise DataError(f"{raw}: expected exactly one *{kind}.jsonl, found {len(hits)}")
         found[kind] = hits[0]
-    items = _read_jsonl(found["items"], ("item", "title", "categories"))
+    items = [row for _, row in _read_jsonl(found["items"], ("item", "title", "categories"))]
     known = {it["item"] for it in items}
     users = []
-    for line_no, u in enumerate(_read_jsonl(found["users"], ("user", "items")), 1):
+    for line_no, u in _read_jsonl(found["users"], ("user", "items")):
         for it in u["items"]:
             if it not in known:
                 raise DataError(f"{found['users']}:{line_no}: item {it!r} has no metadata in {found['items'].name}")

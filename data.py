@@ -64,7 +64,7 @@ def words(text):
     return re.findall(r"[a-z0-9]+", text.lower())
 
 
-def item_embeddings(items, dim=64, max_vocab=4096, seed=0):
+def item_embeddings(items, dim=64, max_vocab=4096, seed=0):  # assumption: 64 dims of the 4,096 commonest words
     """TF-IDF of title + category words, reduced to `dim` dimensions by a (seeded) randomized SVD."""
     docs = [words(it["title"]) + [w for path in it["categories"] for c in path for w in words(c)] for it in items]
     df = Counter(w for d in docs for w in set(d))
@@ -126,6 +126,8 @@ class CoocRetriever:
     excluded and popular items backfill when fewer than k items score above zero.
     """
 
+    # assumption: METHOD.md asks for a retriever whose top 10 are the candidates, not which one; these weights set
+    # the candidate lists and so the floor, which the data's stats.json records
     def __init__(self, n_items, window=3, back=0.5, decay=0.6, pop_alpha=0.2, max_history=10):
         self.n, self.window, self.back, self.decay = n_items, window, back, decay
         self.pop_alpha, self.max_history = pop_alpha, max_history
@@ -187,7 +189,9 @@ def leaf_of(item):
 
 
 def brand_of(item):
-    return item["brand"] if "brand" in item else (words(item["title"]) or ["none"])[0]
+    """The brand the reasoning cites: the title's first word. The item files carry no brand field (the synthetic
+    titles start with the brand by construction; for Beauty the first word is a proxy, "the" or "new" at times)."""
+    return (words(item["title"]) or ["none"])[0]
 
 
 def next_leaf_table(items, train_seqs):
@@ -398,9 +402,14 @@ def save(out, data, items, sid, codes, tok, stats, tmp):
                                 "brand": brand_of(it), "sid": s, "codes": c.tolist()}) + "\n")
     with open(Path(tmp) / "stats.json", "w") as f:
         json.dump(stats, f, indent=2)
+    # A folder cannot be renamed onto a full one, so the old one moves aside first: `out` is never half
+    # written, and a crash between the two renames leaves the old data in .NAME.old beside it.
+    old = Path(out).parent / f".{Path(out).name}.old"
+    shutil.rmtree(old, ignore_errors=True)
     if Path(out).exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)  # atomic: a reader sees the old directory or the complete new one
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- readers for the stages

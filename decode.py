@@ -98,7 +98,7 @@ class CachedModel:
             self.cache.crop(-ids.shape[1])  # [diffusion] a denoising step only reads the cache
         return logits
 
-    def response_desc(self, start, n, block, seg=CLEAN):
+    def response_desc(self, start, n, block, seg=CLEAN):  # [diffusion] seg=NOISY: the block being denoised
         """Descriptors of response positions start..start+n-1: finished (CLEAN) or being denoised (NOISY)."""
         r = torch.arange(start, start + n, device=self.prompt_len.device)
         B = len(self.prompt_len)
@@ -245,12 +245,13 @@ def finished(canvas, mask_id, eos_id):
 
 
 # ----------------------------------------------------------------------------- replay (OPD and RL)
-def replay_rows(prompt, canvas, steps, block, mask_id):  # [diffusion]
-    """The canvases a trajectory was decoded from, several blocks per row.
+def replay_rows(canvas, steps, mask_id):  # [diffusion]
+    """The canvases a trajectory (response canvas, step map) was decoded from, several blocks per row.
 
     In the noisy+clean layout a noisy block sees only itself and the clean blocks before it, so row s
-    can carry the step-s canvas of *every* block at once. Returns (noisy canvases, one per step s;
-    for each row the response positions committed at that step).
+    can carry the step-s canvas of *every* block at once: position r shows its token if it was committed
+    before step s (steps[r] < s), else the mask. Returns (noisy canvases, one per step s; for each row the
+    response positions committed at that step).
     """
     n_steps = max(steps) + 1
     noisy, targets = [], []
@@ -270,8 +271,8 @@ def replay_chunks(model, prompts, canvases, steps, block, mask_id, keep, pad_id=
     noisy copies): the same logits, with the prompt and response computed once per row, not per canvas."""
     pack = min(pack, max_rows)
     packs = []  # (trajectory, up to `pack` of its (canvas, positions committed from it))
-    for i, (p, c, st) in enumerate(zip(prompts, canvases, steps)):
-        noisy, targets = replay_rows(p, c, st, block, mask_id)
+    for i, (c, st) in enumerate(zip(canvases, steps)):
+        noisy, targets = replay_rows(c, st, mask_id)
         scored = [(row, tg) for row, tg in zip(noisy, ([r for r in t if r < keep[i]] for t in targets)) if tg]
         packs += [(i, scored[k:k + pack]) for k in range(0, len(scored), pack)]
     per_chunk = max_rows // pack
@@ -295,10 +296,10 @@ def add_decoder_args(ap):  # [diffusion]
                     help=COMMIT_HELP + "; default: the parent checkpoint's")
 
 
-def inherited_decoder(parent, args):  # [diffusion]
-    """The decoder settings a stage uses (and saves): the parent checkpoint's, unless a flag overrides them."""
-    return {"sub_block": parent.get("sub_block", 0) if args.sub_block is None else args.sub_block,
-            "commit": parent.get("commit", "any") if args.commit is None else args.commit}
+def inherited_decoder(parent, sub_block=None, commit=None):  # [diffusion]
+    """The decoder settings a stage uses (and saves): the parent checkpoint's, unless given (not None)."""
+    return {"sub_block": parent.get("sub_block", 0) if sub_block is None else sub_block,
+            "commit": parent.get("commit", "any") if commit is None else commit}
 
 
 # ----------------------------------------------------------------------------- decode and score a split
@@ -432,11 +433,11 @@ def show(model, tok, example, block, tau, max_new, sub_block=0, commit="any"):
     print(tok.decode(example["prompt_ids"]), "\n")
     per_block = {}
 
-    def on_step(b, s, canvas, commit, logits):
+    def on_step(b, s, canvas, committed, logits):  # committed: (1, block) bool, the positions this step wrote
         lo = b * block
-        shown = [("·" if t == tok.mask_token_id else (new(w) if commit[0, j] else w))
+        shown = [("·" if t == tok.mask_token_id else (new(w) if committed[0, j] else w))
                  for j, (t, w) in enumerate(zip(canvas[0, lo:].tolist(), tok.convert_ids_to_tokens(canvas[0, lo:].tolist())))]
-        print(f"block {b} step {s:2d} +{int(commit[0].sum())}: " + " ".join(shown))
+        print(f"block {b} step {s:2d} +{int(committed[0].sum())}: " + " ".join(shown))
         per_block[b] = s + 1
 
     out = diffusion_generate(model, [example["prompt_ids"]], block, tau, max_new, tok.mask_token_id, tok.eos_token_id,

@@ -27,6 +27,7 @@ import numpy as np
 
 SID_RE = re.compile(r"<a_(\d+)>\s*<b_(\d+)>\s*<c_(\d+)>\s*<d_(\d+)>")
 KS = (1, 3, 5)
+SPEED_TAUS = (0.9, 0.6, 0.4)  # the paper's speed settings: every diffusion stage's test adds them to tau = 1.0
 METRIC_KEYS = ("recall@1", "recall@3", "ndcg@3", "recall@5", "ndcg@5")
 INVALID_KINDS = ("parse_error", "out_of_set", "duplicate", "omission")
 
@@ -239,11 +240,12 @@ def stage_metrics(quality, examples, by_tau=None):
 
 
 def run_test(out, model, tok, examples, sid_of, mode, block=32, max_new=256, batch_size=64, taus=(), tau_n=0, sub_block=0,
-             commit="any"):
+             commit="any", write_metrics=True):
     """Final test of a stage: quality mode (AR greedy / tau = 1.0), plus `taus` (on the first tau_n examples,
     0 = all) for diffusion checkpoints, decoded with the checkpoint's block, sub-block and commit rule.
 
-    Writes OUT/metrics.json and OUT/predictions.jsonl (the stage convention) and prints the table.
+    Writes OUT/predictions.jsonl and OUT/metrics.json (the stage convention; write_metrics=False leaves the
+    latter to a caller that adds more figures first) and prints the table.
     """
     import json
     from pathlib import Path
@@ -257,7 +259,8 @@ def run_test(out, model, tok, examples, sid_of, mode, block=32, max_new=256, bat
                                                 commit)
         write_predictions(Path(out) / f"predictions_tau{t}.jsonl", sub, sid_of, texts, rows, roll)
     result = stage_metrics(quality, examples, by_tau)
-    write_atomic(Path(out) / "metrics.json", json.dumps(result, indent=2))
+    if write_metrics:
+        write_atomic(Path(out) / "metrics.json", json.dumps(result, indent=2))
     name = "AR greedy" if mode == "ar" else "tau=1.0"
     print(f"test (n={result['n']})   R@1     R@3     NDCG@3  valid   tok/fwd")
     print(f"  retriever floor   {result['floor']['recall@1']:.4f}  {result['floor']['recall@3']:.4f}  {result['floor']['ndcg@3']:.4f}")

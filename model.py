@@ -164,7 +164,9 @@ def resume(out, model, optimizer):
     for f in sorted(last.glob("*.safetensors")):
         weights.update(load_file(f))
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied head: stored once
+    if unexpected or set(missing) - {"lm_head.weight"}:  # the tied head is stored once, as the embedding
+        raise ValueError(f"{last} does not hold this model's weights (missing {sorted(missing)}, unexpected "
+                         f"{sorted(unexpected)}): pass --fresh to start over, or another --out")
     optimizer.load_state_dict(state.pop("optimizer"))
     print(f"resuming from {last} at step {state['step']}")
     return state.pop("step"), state
@@ -197,8 +199,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text + " (default: %(default)s)"
 
 
-def add_common_args(ap, **defaults):
-    """The flags every training stage shares (each stage sets its own defaults)."""
+def add_common_args(ap, token_weights=True, **defaults):
+    """The flags every training stage shares (each stage sets its own defaults). token_weights=False leaves out
+    --lambda-r / --lambda-o (OPD's and RL's losses do not weight tokens); tau_n=None leaves out --tau-n (SFT)."""
     d = dict(steps=1000, batch_size=32, lr=1e-3, warmup=50, eval_every=100, val_n=200, tau_n=200) | defaults
     ap.add_argument("--data", default="data/synthetic", help="folder written by data.py")
     ap.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps" + (" (0 = from --epochs)" if not d["steps"] else ""))
@@ -206,13 +209,15 @@ def add_common_args(ap, **defaults):
         ap.add_argument("--batch-size", type=int, default=d["batch_size"], help="examples per step")
     ap.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (warm-up, then cosine to 10%%)")
     ap.add_argument("--warmup", type=int, default=d["warmup"], help="warm-up steps")
-    ap.add_argument("--lambda-r", type=float, default=0.5, help="weight of reasoning tokens (assumption: the paper gives none)")
-    ap.add_argument("--lambda-o", type=float, default=1.0, help="weight of answer tokens")
+    if token_weights:  # assumption: lambda_r = 0.5, lambda_o = 1.0 (the paper names the weights, not their values)
+        ap.add_argument("--lambda-r", type=float, default=0.5, help="weight of reasoning tokens in the loss")
+        ap.add_argument("--lambda-o", type=float, default=1.0, help="weight of answer tokens in the loss")
     ap.add_argument("--eval-every", type=int, default=d["eval_every"], help="validate and checkpoint every this many steps")
     ap.add_argument("--val-n", type=int, default=d["val_n"], help="validation examples decoded at each evaluation")
     ap.add_argument("--test-n", type=int, default=0, help="test examples for the final metrics (0 = all)")
-    ap.add_argument("--tau-n", type=int, default=d["tau_n"],
-                    help="test examples for the extra thresholds 0.9/0.6/0.4 (0 = all; a subset keeps CPU runs short)")
+    if d["tau_n"] is not None:
+        ap.add_argument("--tau-n", type=int, default=d["tau_n"],
+                        help="test examples for the extra thresholds 0.9/0.6/0.4 (0 = all; a subset keeps CPU runs short)")
     ap.add_argument("--eval-batch", type=int, default=64, help="decoding batch size")
     add_runtime_args(ap)
     ap.add_argument("--seed", type=int, default=0, help="seed for the init, the batch order and the noise")
@@ -235,20 +240,35 @@ def start(args):
 
 
 def setup(args):
-    """start(), then make OUT; returns OUT as a Path."""
+    """start(), then make OUT; returns OUT as a Path.
+
+    A stage's metrics.json and predictions describe the checkpoint of a finished run; a run that may change
+    the checkpoint starts without them, so an interrupted one is never taken for finished (run.sh skips a stage
+    with metrics.json) and the report never pairs old answers with new weights. --fresh also drops OUT/last."""
     start(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [out / "metrics.json", *out.glob("predictions*.jsonl")]:
+        stale.unlink(missing_ok=True)
+    if args.fresh:
+        shutil.rmtree(out / "last", ignore_errors=True)
     return out
 
 
 class Log:
-    """Prints a line and appends it to OUT/log.jsonl (the plots read it)."""
+    """Appends one record per line to OUT/log.jsonl (the plots read it). A run that starts at step 0 starts a
+    new file; a resumed one keeps the records up to its step and drops the later ones, which the interrupted
+    run logged after its last checkpoint and the resumed run logs again."""
 
-    def __init__(self, out, fresh):
+    def __init__(self, out, start):
         self.path = Path(out) / "log.jsonl"
-        if fresh and self.path.exists():
-            self.path.unlink()
+        if start == 0:
+            self.path.unlink(missing_ok=True)
+        elif self.path.exists():
+            lines = [line for line in self.path.read_text().splitlines() if json.loads(line).get("step", 0) <= start]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in lines))
+            os.replace(tmp, self.path)
 
     def __call__(self, **rec):
         if torch.cuda.is_available():  # the number a GPU user sizes --batch-size / --rows by
@@ -259,7 +279,8 @@ class Log:
 
 
 def lr_at(step, total, peak, warmup):
-    """Linear warm-up, then cosine decay to 10% of the peak."""
+    """Linear warm-up, then cosine decay to 10% of the peak (assumption: one schedule for every
+    stage; the paper gives OPD a constant lr and does not say for the others)."""
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -267,7 +288,8 @@ def lr_at(step, total, peak, warmup):
 
 
 def batch_indices(step, n, batch_size, seed):
-    """The example indices of training step `step`: seeded epochs, so a resumed run sees the same batches."""
+    """The example indices of training step `step`: seeded epochs, so a resumed run sees the same batches. Stages
+    with the same --seed walk the same order (RL's prompts are the first ones OPD distilled on)."""
     per_epoch = max(1, n // batch_size)
     epoch, k = divmod(step, per_epoch)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
@@ -289,7 +311,7 @@ def attention_mask(q, k, context="block"):
     """(B, 1, Q, K) bool mask, True = attend, from the (seg, blk, pos) descriptors of queries and keys."""
     sq, bq, pq = (t[:, :, None] for t in q)
     sk, bk, pk = (t[:, None, :] for t in k)
-    see_prompt = (sk == PROMPT) & (((sq == PROMPT) & (pk <= pq)) | (sq == CLEAN) | (sq >= NOISY))
+    see_prompt = (sk == PROMPT) & (((sq == PROMPT) & (pk <= pq)) | (sq == CLEAN) | (sq >= NOISY))  # [diffusion] noisy too
     clean_to_clean = (pk <= pq) if context == "causal" else (bk <= bq)  # [diffusion] CONTEXTS
     see_clean = (sk == CLEAN) & (((sq == CLEAN) & clean_to_clean) | ((sq >= NOISY) & (bk < bq)))  # [diffusion] blocks
     see_noisy = (sk >= NOISY) & (sk == sq) & (bk == bq)  # [diffusion] a block of a noisy copy sees itself only

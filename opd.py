@@ -33,8 +33,6 @@ from decode import add_decoder_args, generate, inherited_decoder, replay_chunks,
 from model import (HelpFormatter, Log, add_common_args, ar_logits, batch_indices, keep_best, load_best, load_checkpoint,
                    lr_at, resume, setup, token_kl)
 
-TAUS = (0.9, 0.6, 0.4)
-
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
@@ -42,10 +40,13 @@ def parse_args(argv=None):
     ap.add_argument("--teacher", default="out/sft", help="the frozen AR teacher checkpoint")
     ap.add_argument("--out", default="out/opd", help="checkpoint folder to write")
     ap.add_argument("--group", type=int, default=4, help="G': trajectories the student decodes per prompt")
-    ap.add_argument("--prompts-per-step", type=int, default=4, help="training prompts per step (the paper: 128)")
-    ap.add_argument("--tau", type=float, default=0.9, help="commit threshold of the student's rollouts")
+    ap.add_argument("--prompts-per-step", type=int, default=4,  # assumption: 4 (the paper: 128), sized for a CPU
+                    help="training prompts per step (the paper: 128)")
+    ap.add_argument("--tau", type=float, default=0.9,  # [diffusion] assumption: 0.9, the paper's first speed setting
+                    help="commit threshold of the student's rollouts")
     add_decoder_args(ap)  # [diffusion] --sub-block, --commit: the parent checkpoint's unless given
-    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
+    ap.add_argument("--temperature", type=float, default=1.0,  # assumption: 1.0, sampling from the student as it is
+                    help="sampling temperature of the rollouts")
     ap.add_argument("--reverse", action="store_true", help="KL(student || teacher) instead of KL(teacher || student)")
     ap.add_argument("--clean-prefix", action="store_true",
                     help="score each token from a clean prefix instead of its replayed canvas (assumption: replay)")
@@ -53,8 +54,12 @@ def parse_args(argv=None):
     ap.add_argument("--rows", type=int, default=64, help="replayed canvases per backward pass (memory, not maths)")
     ap.add_argument("--pack", type=int, default=2, help="replayed canvases of one trajectory per row (speed, not maths)")
     ap.add_argument("--kl-n", type=int, default=100, help="test prompts for the KL-to-teacher figure")
-    add_common_args(ap, steps=80, batch_size=0, lr=1e-4, warmup=5, eval_every=40, val_n=200)
+    # assumption: lr 1e-4 with warm-up and cosine, sized for 80 steps of 4 prompts on the tiny model (the paper: 1e-6
+    # constant, ~1.5k steps of 128 prompts at 8B scale; the README's Qwen3-0.6B preset passes --lr 1e-6)
+    add_common_args(ap, token_weights=False, steps=80, batch_size=0, lr=1e-4, warmup=5, eval_every=40, val_n=200)
     args = ap.parse_args(argv)
+    if min(args.group, args.prompts_per_step) < 1:
+        ap.error(f"--group and --prompts-per-step must be at least 1, got {args.group}, {args.prompts_per_step}")
     if min(args.rows, args.pack, args.chunk) < 1:
         ap.error(f"--rows, --pack and --chunk must be at least 1, got {args.rows}, {args.pack}, {args.chunk}")
     return args
@@ -112,14 +117,14 @@ def main(argv=None):
     check_vocab(student, tok, teacher, t_tok)
     student.to(args.device), teacher.to(args.device).eval().requires_grad_(False)
     block, max_new = parent["block_size"], parent["max_new"]
-    dec = inherited_decoder(parent, args)  # [diffusion] {sub_block, commit}
+    dec = inherited_decoder(parent, args.sub_block, args.commit)  # [diffusion] {sub_block, commit}
     stage = {"stage": "opd", "parent": str(args.init), "teacher": str(args.teacher), "block_size": block, **dec,
              "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
     kl_examples = test[:args.kl_n]
 
     opt = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     start, state = (0, {}) if args.fresh else resume(out, student, opt)
-    best, log = state.get("best", -1.0), Log(out, fresh=start == 0)
+    best, log = state.get("best", -1.0), Log(out, start)
     t0 = time.time() - state.get("elapsed", 0.0)
     if start == 0:
         state["kl_init"] = test_kl(student, teacher, tok, kl_examples, block, max_new, 16, **dec)
@@ -164,7 +169,9 @@ def main(argv=None):
         log(**rec)
 
     student, tok, stage = load_best(out, args, "OPD", t0)
-    result = metrics.run_test(out, student, tok, test, sid, "diffusion", block, max_new, args.eval_batch, TAUS, args.tau_n, **dec)
+    # metrics.json is written once, below, with the KL and agreement figures: run.sh takes it as "OPD finished"
+    result = metrics.run_test(out, student, tok, test, sid, "diffusion", block, max_new, args.eval_batch, metrics.SPEED_TAUS,
+                              args.tau_n, write_metrics=False, **dec)
     result["kl_to_teacher"] = {"init": state["kl_init"],
                                "final": test_kl(student, teacher, tok, kl_examples, block, max_new, 16, **dec)}
     print("test KL to the teacher: {init:.4f} (CFT) -> {final:.4f} (OPD)".format(**result["kl_to_teacher"]))

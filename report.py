@@ -11,11 +11,12 @@ every checkpoint of the run (sft, naive, cft, opd, rl) on the same test examples
     frontier.png, curves.png, masks.png   speed/accuracy frontier, training curves, the attention masks
     report/                     predictions of every decode the report had to make itself
 
-A stage's own predictions.jsonl is reused when it covers the test examples and is not older than the
-checkpoint; `--sub-block` / `--commit` re-decode every diffusion stage with another decoder
-(results_sub8.md, results_prefix.md ...). `python eval.py --paired A.jsonl B.jsonl --data DIR` compares
-any two predictions files of the same test examples (B - A, paired bootstrap). Scoring is eval.py's;
-nothing here re-implements it.
+A stage's own predictions.jsonl is reused when it covers the test examples (a stage drops its predictions
+when it starts training, model.setup, so they always belong to its checkpoint), and so is an earlier report's
+decode in report/ when it is not older than the checkpoint; `--sub-block` / `--commit` re-decode every
+diffusion stage with another decoder (results_sub8.md, results_prefix.md ...). `python eval.py --paired
+A.jsonl B.jsonl --data DIR` compares any two predictions files of the same test examples (B - A, paired
+bootstrap). Scoring is eval.py's; nothing here re-implements it.
 """
 import argparse
 import json
@@ -25,7 +26,7 @@ import numpy as np
 from transformers import AutoConfig, AutoTokenizer
 
 import data
-from decode import COMMIT_RULES, bench, evaluate, forward_cost_ratio
+from decode import COMMIT_RULES, bench, evaluate, forward_cost_ratio, inherited_decoder
 from eval import (INVALID_CAUSES, METRIC_KEYS, SID_RE, bootstrap_ci, floor_rows, invalid_cause, paired_bootstrap,
                   read_jsonl, score_responses, sid_str, summarize, write_atomic, write_predictions)
 from model import CONTEXTS, NOISY, HelpFormatter, attention_mask, build_rows, context_of, load_checkpoint
@@ -56,14 +57,13 @@ def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu", 
     name = "predictions.jsonl" if tau == 1.0 else f"predictions_tau{tau}.jsonl"
     stage_json = Path(run) / stage / "stage.json"
     st = json.loads(stage_json.read_text())
-    own_sub, own_commit = st.get("sub_block", 0), st.get("commit", "any")
-    sub_block = own_sub if sub_block is None else sub_block
-    commit = own_commit if commit is None else commit
-    own = not st.get("block_size") or (sub_block, commit) == (own_sub, own_commit)
+    own_dec, dec = inherited_decoder(st), inherited_decoder(st, sub_block, commit)
+    sub_block, commit = dec["sub_block"], dec["commit"]
+    own = not st.get("block_size") or dec == own_dec
     tag = f"sub{sub_block}" + ("" if commit == "any" else f"_{commit}")
     fresh = Path(run) / "report" / (f"{stage}_{name}" if own else f"{stage}_{tag}_{name}")
     for path in ((Path(run) / stage / name, fresh) if own else (fresh,)):  # the stage's own file, or an earlier report's
-        if path.exists() and (path != fresh or path.stat().st_mtime >= stage_json.stat().st_mtime):  # not older than the checkpoint
+        if path.exists() and (path != fresh or path.stat().st_mtime >= stage_json.stat().st_mtime):  # (module docstring)
             by_id = {p["id"]: p for p in read_jsonl(path)}
             if all(ex["id"] in by_id for ex in examples):  # it covers these examples (maybe more)
                 return [by_id[ex["id"]] for ex in examples]
@@ -279,10 +279,9 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
         ar, diff = ar.to(device), diff.to(device)
         ratio = forward_cost_ratio(diff.eval(), test[0]["prompt_ids"], st["block_size"])
         print(f"speed: {final} against the AR re-ranker on {bench_n} test prompts (block forward costs {ratio:.2f}x a 1-token step)")
-        t2_sub = st.get("sub_block", 0) if sub_block is None else sub_block
-        t2_commit = st.get("commit", "any") if commit is None else commit
+        t2_dec = inherited_decoder(st, sub_block, commit)
         t2 = bench(ar.eval(), diff.eval(), tok, test[:bench_n], sid_of, taus, batch_sizes, [st["block_size"]], st["max_new"],
-                   sub_blocks=[t2_sub], commit=t2_commit)
+                   sub_blocks=[t2_dec["sub_block"]], commit=t2_dec["commit"])
         plot_frontier(t2, run / f"frontier{sfx}.png")
     plot_curves(run, run / "curves.png")
     plot_masks(run / "masks.png", context_of(AutoConfig.from_pretrained(run / final)) if final else "causal")
@@ -328,11 +327,11 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
     if t2:
         lines += ["", f"## Table 2: decoding speed, AR against `{final}` (first {bench_n} test prompts, this machine)", "",
                   f"One block forward costs {ratio:.2f}x a 1-token AR step here (batch 1). Block {st['block_size']}"
-                  + (f", commits only inside the leftmost sub-block of {t2_sub} with masks" if t2_sub else "")
+                  + (f", commits only inside the leftmost sub-block of {t2_dec['sub_block']} with masks" if t2_dec["sub_block"] else "")
                   + {"prefix": ", commits only the leftmost mask and the confident run after it (prefix rule).",
                      "joint": ", commits the most confident positions while the product of their confidences is >= tau (joint rule).",
                      "prefix-joint": ", commits left to right from the leftmost mask while the product of the confidences is >= tau "
-                                     "(prefix-joint rule)."}.get(t2_commit, "."), "",
+                                     "(prefix-joint rule)."}.get(t2_dec["commit"], "."), "",
                   "| decoder | batch | Recall@1 | valid rate | tokens/s | tokens per forward | speed-up |", "|---|---|---|---|---|---|---|"]
         for r in t2:
             name = "AR" if r["decoder"] == "ar" else f"diffusion tau = {r['tau']}"

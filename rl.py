@@ -34,8 +34,6 @@ from decode import add_decoder_args, generate, inherited_decoder, replay_chunks,
 from model import (HelpFormatter, Log, add_common_args, ar_logits, batch_indices, keep_best, load_best, load_checkpoint,
                    lr_at, resume, setup)
 
-TAUS = (0.9, 0.6, 0.4)
-
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
@@ -45,12 +43,14 @@ def parse_args(argv=None):
     ap.add_argument("--group", type=int, default=8, help="G: rollouts per prompt")
     ap.add_argument("--prompts-per-step", type=int, default=16,  # assumption: 16 x 8 (with 4 x 8 the held-out reward fell: README)
                     help="prompts per step (G rollouts each)")
-    ap.add_argument("--tau", type=float, default=0.9, help="commit threshold of the rollouts (diffusion)")
+    ap.add_argument("--tau", type=float, default=0.9,  # [diffusion] assumption: 0.9, the paper's first speed setting
+                    help="commit threshold of the rollouts (diffusion)")
     add_decoder_args(ap)  # [diffusion] --sub-block, --commit: the parent checkpoint's unless given
     ap.add_argument("--temperature", type=float, default=1.0,  # assumption: 1.0, the paper does not say (0.7: docs/experiments.md)
                     help="sampling temperature of the rollouts")
     ap.add_argument("--clip", type=float, default=0.2, help="epsilon of the clipped ratio")
-    ap.add_argument("--updates", type=int, default=1, help="optimizer steps per batch of rollouts (mu)")
+    ap.add_argument("--updates", type=int, default=1,  # assumption: 1 (on-policy; the ratio starts at exactly 1)
+                    help="optimizer steps per batch of rollouts (mu)")
     ap.add_argument("--chunk", type=int, default=8, help="rollouts scored together (memory, not maths)")
     ap.add_argument("--rows", type=int, default=64, help="replayed canvases per backward pass (memory, not maths)")
     ap.add_argument("--pack", type=int, default=2, help="replayed canvases of one trajectory per row (speed, not maths)")
@@ -59,8 +59,12 @@ def parse_args(argv=None):
     # assumption: 5 steps (640 rollouts; 12 CPU minutes with the test on a fast host, 23 on a slow one) kept the
     # block-context recipe under 120 minutes; a 15-step run kept its step-5 checkpoint (README, Stage 3). With more
     # time: --steps 15 or more.
-    add_common_args(ap, steps=5, batch_size=0, lr=5e-5, warmup=2, eval_every=5, val_n=200)
+    # assumption: lr 5e-5, sized for a handful of steps on the tiny model (the paper: 5e-7 for 600 steps at 8B scale;
+    # the README's Qwen3-0.6B preset passes --lr 5e-7)
+    add_common_args(ap, token_weights=False, steps=5, batch_size=0, lr=5e-5, warmup=2, eval_every=5, val_n=200)
     args = ap.parse_args(argv)
+    if args.group < 2 or args.prompts_per_step < 1:  # one rollout has no group to be compared with
+        ap.error(f"--group must be at least 2 and --prompts-per-step at least 1, got {args.group}, {args.prompts_per_step}")
     if min(args.rows, args.pack, args.chunk) < 1:
         ap.error(f"--rows, --pack and --chunk must be at least 1, got {args.rows}, {args.pack}, {args.chunk}")
     return args
@@ -132,7 +136,7 @@ def main(argv=None):
     if (args.policy == "ar") != (parent.get("block_size") is None):
         raise SystemExit(f"error: --policy {args.policy} does not match {args.init} (block size {parent.get('block_size')})")
     mode = "ar" if args.policy == "ar" else "diffusion"
-    dec = inherited_decoder(parent, args)  # [diffusion] {sub_block, commit}
+    dec = inherited_decoder(parent, args.sub_block, args.commit)  # [diffusion] {sub_block, commit}
     stage = {"stage": "rl" if mode == "diffusion" else "rl-ar", "parent": str(args.init), "block_size": parent.get("block_size"),
              **dec, "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
     print(f"rollouts: G={args.group} x {args.prompts_per_step} prompts, tau={args.tau}, temperature={args.temperature}, "
@@ -146,7 +150,7 @@ def main(argv=None):
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     start, state = (0, {}) if args.fresh else resume(out, model, opt)
-    best, log = state.get("best", -1e9), Log(out, fresh=start == 0)
+    best, log = state.get("best", -1e9), Log(out, start)
     t0 = time.time() - state.get("elapsed", 0.0)
     if start == 0:
         rec = log(step=0, minutes=0.0, **held_out())
@@ -190,7 +194,7 @@ def main(argv=None):
     if stage["step"] == 0:
         print(f"no RL checkpoint beat the starting weights on held-out reward: {out} holds {args.init}'s weights")
     return metrics.run_test(out, model, tok, test, sid, mode, block, max_new, args.eval_batch,
-                           TAUS if mode == "diffusion" else (), args.tau_n, **dec)
+                           metrics.SPEED_TAUS if mode == "diffusion" else (), args.tau_n, **dec)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="tiny", help="a random-init preset (model.PRESETS: tiny, micro, qwen3-0.6b), a hub id or a local folder")
     ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     ap.add_argument("--max-new", type=int, default=0, help="decode budget in tokens for every stage (0 = 1.25x the longest trace)")
-    add_common_args(ap, steps=1200, batch_size=32, lr=3e-3, warmup=60, eval_every=150, val_n=200)
+    add_common_args(ap, steps=1200, batch_size=32, lr=3e-3, warmup=60, eval_every=150, val_n=200, tau_n=None)
     return ap.parse_args(argv)
 
 
@@ -56,7 +56,7 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.98))
     start, state = (0, {}) if args.fresh else resume(out, model, opt)
     best = state.get("best", -1.0)
-    log = Log(out, fresh=start == 0)
+    log = Log(out, start)
     t0, losses = time.time() - state.get("elapsed", 0.0), []
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="sft", dynamic_ncols=True)
     for step in bar:

@@ -133,6 +133,7 @@ def write_lines(path, lines):
     ("missing", "expected exactly one *items.jsonl"),
     ("malformed", "toy_users.jsonl:2: malformed JSON"),
     ("no_meta", "toy_users.jsonl:1: item 'Z' has no metadata"),
+    ("no_meta_after_blank", "toy_users.jsonl:3: item 'Z' has no metadata"),  # a blank line is skipped, still counted
     ("unknown", "unknown format"),
 ])
 def test_bad_input_is_reported_and_nothing_is_written(tmp_path, case, expected, capsys):
@@ -140,8 +141,11 @@ def test_bad_input_is_reported_and_nothing_is_written(tmp_path, case, expected, 
     raw.mkdir()
     item = json.dumps({"item": "A", "title": "t", "categories": [["Beauty"]]})
     if case != "unknown":
-        write_lines(raw / "toy_users.jsonl", [json.dumps({"user": "u", "items": ["A", "Z" if case == "no_meta" else "A"]}),
-                                              "{not json" if case == "malformed" else json.dumps({"user": "v", "items": ["A"]})])
+        users = [json.dumps({"user": "u", "items": ["A", "Z" if case == "no_meta" else "A"]}),
+                 "{not json" if case == "malformed" else json.dumps({"user": "v", "items": ["A"]})]
+        if case == "no_meta_after_blank":
+            users = [users[1], "", json.dumps({"user": "w", "items": ["Z"]})]
+        write_lines(raw / "toy_users.jsonl", users)
     if case not in ("missing", "unknown"):
         write_lines(raw / "toy_items.jsonl", [item])
     if case == "unknown":
@@ -150,6 +154,14 @@ def test_bad_input_is_reported_and_nothing_is_written(tmp_path, case, expected, 
     assert data.main(["--source", "beauty", "--raw", str(raw), "--out", str(out)]) == 2
     assert expected in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob(".out.tmp*"))
+
+
+def test_a_rebuild_replaces_the_folder_and_leaves_nothing_beside_it(tmp_path):
+    out = tmp_path / "syn"
+    for users in (150, 160):
+        assert data.main(["--source", "synthetic", "--users", str(users), "--out", str(out)]) in (0, None)
+    assert json.loads((out / "stats.json").read_text())["users"] == 160
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["syn"]  # no temporary or old folder left
 
 
 def test_reads_mcauley_files_sorted_by_time(tmp_path):

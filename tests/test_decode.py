@@ -72,7 +72,7 @@ def test_replay_canvases_mask_exactly_the_uncommitted_positions():
     model = tiny(sharpen=30.0)
     out = gen(model, random_prompts(1), block=4, tau=0.7)
     canvas, steps = out.canvas[0], out.steps[0]
-    noisy, targets = replay_rows(None, canvas, steps, 4, MASK)
+    noisy, targets = replay_rows(canvas, steps, MASK)
     for s, (row, tg) in enumerate(zip(noisy, targets)):
         for r, (tok, st) in enumerate(zip(row, steps)):
             assert (tok == MASK) == (st < 0 or st >= s)

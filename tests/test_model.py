@@ -254,3 +254,30 @@ def test_the_qwen3_preset_has_the_shape_of_the_model_card():
     non_embedding = sum(p.numel() for p in model.parameters()) - 151936 * cfg.hidden_size
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (28, 16, 8)
     assert round(non_embedding / 1e9, 2) == 0.44
+
+
+def test_a_resumed_log_drops_the_records_logged_after_its_checkpoint(tmp_path):
+    import json
+    from model import Log
+    log = Log(tmp_path, 0)
+    for step in range(6):  # an OPD/RL-style log: a record every step, the last checkpoint at step 3
+        log(step=step, loss=float(step))
+    Log(tmp_path, 3)(step=4, loss=-4.0)  # resumed at step 3: 4 and 5 are logged again by the resumed run
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in records] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, -4.0)]
+    Log(tmp_path, 0)
+    assert not (tmp_path / "log.jsonl").exists()  # a run from step 0 starts a new log
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_stage_starts_without_the_results_of_an_earlier_run(tmp_path, fresh):
+    from argparse import Namespace
+    from model import setup
+    out = tmp_path / "stage"
+    (out / "last").mkdir(parents=True)
+    for name in ("metrics.json", "predictions.jsonl", "predictions_tau0.9.jsonl", "log.jsonl", "model.safetensors"):
+        (out / name).write_text("{}")
+    setup(Namespace(out=str(out), fresh=fresh, threads=0))
+    # metrics and answers describe a finished checkpoint: gone, so run.sh and the report cannot take them for this
+    # run's; the log, the weights and (unless --fresh) OUT/last stay for resuming
+    assert sorted(p.name for p in out.iterdir()) == sorted(["log.jsonl", "model.safetensors"] + ([] if fresh else ["last"]))

@@ -139,6 +139,20 @@ def test_one_update_moves_probability_from_the_worse_rollout_to_the_better(polic
     assert (after[0] - before[0]) - (after[1] - before[1]) > 1e-3
 
 
+@pytest.mark.parametrize("script,args,message", [
+    ("opd", ["--group", "0"], "--group and --prompts-per-step must be at least 1"),
+    ("rl", ["--group", "1"], "--group must be at least 2"),  # one rollout: no group to compare it with
+    ("rl", ["--prompts-per-step", "0"], "--prompts-per-step at least 1"),
+    ("opd", ["--lambda-r", "0.1"], "unrecognized arguments: --lambda-r"),  # OPD's and RL's losses weight no tokens
+    ("rl", ["--lambda-o", "2"], "unrecognized arguments: --lambda-o"),
+])
+def test_settings_that_cannot_train_are_refused_with_a_clear_error(script, args, message, capsys):
+    import importlib
+    with pytest.raises(SystemExit):
+        importlib.import_module(script).parse_args(args)
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("script,flag", [("opd", "--pack"), ("opd", "--rows"), ("rl", "--pack"), ("rl", "--chunk")])
 def test_replay_sizes_below_one_are_refused_with_a_clear_error(script, flag, capsys):
     import importlib
