@@ -265,10 +265,18 @@ class Log:
         if start == 0:
             self.path.unlink(missing_ok=True)
         elif self.path.exists():
-            lines = [line for line in self.path.read_text().splitlines() if json.loads(line).get("step", 0) <= start]
+            lines = [line for line in self.path.read_text().splitlines() if Log.step_of(line) <= start]
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(line + "\n" for line in lines))
             os.replace(tmp, self.path)
+
+    @staticmethod
+    def step_of(line):
+        """A record's step; infinity for a line cut short by the interruption, so that it is dropped too."""
+        try:
+            return json.loads(line).get("step", 0)
+        except json.JSONDecodeError:
+            return float("inf")
 
     def __call__(self, **rec):
         if torch.cuda.is_available():  # the number a GPU user sizes --batch-size / --rows by

@@ -262,6 +262,8 @@ def test_a_resumed_log_drops_the_records_logged_after_its_checkpoint(tmp_path):
     log = Log(tmp_path, 0)
     for step in range(6):  # an OPD/RL-style log: a record every step, the last checkpoint at step 3
         log(step=step, loss=float(step))
+    with open(tmp_path / "log.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # the interruption cut the last record short
     Log(tmp_path, 3)(step=4, loss=-4.0)  # resumed at step 3: 4 and 5 are logged again by the resumed run
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in records] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, -4.0)]
