@@ -475,8 +475,7 @@ def main(argv=None):
         model, tok, stage = load_checkpoint(args.ckpt, args.attn, args.dtype)
         test, _ = data.load_split(args.data, "test", args.index + 1)
         show(model.to(args.device).eval(), tok, test[args.index], args.blocks[0] if args.blocks else stage["block_size"],
-             args.tau, stage["max_new"], args.sub_blocks[0] if args.sub_blocks else stage.get("sub_block", 0),
-             args.commit or stage.get("commit", "any"))
+             args.tau, stage["max_new"], **inherited_decoder(stage, args.sub_blocks[0] if args.sub_blocks else None, args.commit))
     elif args.bench:
         ar_model, tok, _ = load_checkpoint(args.ar, args.attn, args.dtype)
         diff_model, _, stage = load_checkpoint(args.diffusion, args.attn, args.dtype)
@@ -485,8 +484,9 @@ def main(argv=None):
         blocks = args.blocks or [stage["block_size"]]
         ratio = {b: forward_cost_ratio(diff_model.eval(), test[0]["prompt_ids"], b) for b in blocks}
         print("cost of a block forward / a 1-token step (batch 1): " + ", ".join(f"B={b}: {r:.2f}x" for b, r in ratio.items()))
+        dec = inherited_decoder(stage, commit=args.commit)
         rows = bench(ar_model.eval(), diff_model.eval(), tok, test, sid, args.taus, args.batch_sizes, blocks, stage["max_new"],
-                     sub_blocks=args.sub_blocks or [stage.get("sub_block", 0)], commit=args.commit or stage.get("commit", "any"))
+                     sub_blocks=args.sub_blocks or [dec["sub_block"]], commit=dec["commit"])
         result = {"ar": {str(r["batch"]): r for r in rows if r["decoder"] == "ar"},  # keyed by batch size
                   "diffusion": [r for r in rows if r["decoder"] != "ar"],
                   "forward_cost_ratio": ratio, "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads()}
