@@ -366,8 +366,7 @@ def synchronize(device):
 @torch.no_grad()
 def forward_seconds(model, prompts, sizes, repeats=20):
     """{n: seconds of one forward of n new tokens per row} against the same cached prompts, for n in `sizes`."""
-    state = CachedModel(model, prompts, 0)
-    times = {}
+    state, times = CachedModel(model, prompts, 0), {}
     for n in list(sizes) * 2:  # alternate, keep the second round (warm)
         desc = state.response_desc(0, n, n)
         ids = torch.zeros(len(prompts), n, dtype=torch.long, device=model.device)
@@ -380,12 +379,6 @@ def forward_seconds(model, prompts, sizes, repeats=20):
     return times
 
 
-def forward_cost_ratio(model, prompt, block, repeats=20):
-    """Seconds of one B-token block forward over one 1-token AR step, both against the same cached prompt."""
-    times = forward_seconds(model, [prompt], (1, block), repeats)
-    return times[block] / times[1]
-
-
 def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, max_new, log=print, sub_blocks=(0,),
           commit="any"):
     """Decode the same prompts with AR and with block diffusion at each (block, sub-block, tau), interleaved
@@ -393,29 +386,43 @@ def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, m
     configs = [("ar", None, None, None)] + [("diffusion", t, b, sb) for b in blocks for sb in sub_blocks for t in taus]
     run = lambda c, prompts, bs: generate(ar_model if c[0] == "ar" else diff_model, tok, prompts, c[0], c[2] or 32,
                                           c[1] or 1.0, max_new, bs, sub_block=c[3] or 0, commit=commit)
-    rows = []
     for c in configs:  # one untimed decode each: one-off costs (CUDA start-up, kernel choice) would land on AR, run first
         run(c, [examples[0]["prompt_ids"]], 1)
+    rows = []
     for bs in batch_sizes:
         acc = {c: {"tokens": 0, "nfe": 0, "seconds": 0.0, "texts": []} for c in configs}
         for s in range(0, len(examples), bs):
             prompts = [ex["prompt_ids"] for ex in examples[s:s + bs]]
             for c in configs:  # interleaved: AR, then every tau, on this chunk
-                out, sec = run(c, prompts, bs)
-                a = acc[c]
+                (out, sec), a = run(c, prompts, bs), acc[c]
                 a["tokens"] += sum(map(len, out.tokens)); a["nfe"] += sum(out.nfe); a["seconds"] += sec
                 a["texts"] += [tok.decode(t) for t in out.tokens]
         ar_speed = acc[configs[0]]["tokens"] / acc[configs[0]]["seconds"]
         for c in configs:
-            a = acc[c]
-            q = metrics.summarize(metrics.score_responses(a["texts"], examples, sid))
+            a, q = acc[c], metrics.summarize(metrics.score_responses(acc[c]["texts"], examples, sid))
             rows.append({"decoder": c[0], "tau": c[1], "block": c[2], "sub_block": c[3], "batch": bs, "n": len(examples),
-                         "commit": None if c[0] == "ar" else commit,
-                         "tokens_per_s": a["tokens"] / a["seconds"], "tokens_per_forward": a["tokens"] / a["nfe"],
-                         "speedup": a["tokens"] / a["seconds"] / ar_speed, "valid_rate": q["valid_rate"],
-                         "recall@1": q["recall@1"], "ndcg@3": q["ndcg@3"], "mean_length": a["tokens"] / len(examples)})
+                         "commit": None if c[0] == "ar" else commit, "tokens_per_s": a["tokens"] / a["seconds"],
+                         "tokens_per_forward": a["tokens"] / a["nfe"], "speedup": a["tokens"] / a["seconds"] / ar_speed,
+                         "valid_rate": q["valid_rate"], "recall@1": q["recall@1"], "ndcg@3": q["ndcg@3"],
+                         "mean_length": a["tokens"] / len(examples)})
             log(format_row(rows[-1]))
     return rows
+
+
+def bench_checkpoints(ar_path, diff_path, examples, sid, taus, batch_sizes, device="cpu", blocks=None, sub_blocks=None,
+                      commit=None, attn="sdpa", dtype="float32"):
+    """Load an AR and a block-diffusion checkpoint and `bench` them on `examples`, decoding with the diffusion
+    checkpoint's block size, sub-block and commit rule unless given. Returns (rows, {block: forward cost ratio})."""
+    (ar_model, tok, _), (diff_model, _, stage) = (load_checkpoint(path, attn, dtype) for path in (ar_path, diff_path))
+    ar_model, diff_model = ar_model.to(device).eval(), diff_model.to(device).eval()
+    blocks = blocks or [stage["block_size"]]
+    seconds = forward_seconds(diff_model, [examples[0]["prompt_ids"]], (1, *blocks))  # against one cached prompt
+    ratio = {b: seconds[b] / seconds[1] for b in blocks}  # a B-token block forward over a 1-token AR step
+    print(f"speed: {diff_path} against {ar_path}; block size: cost of its forward over a 1-token step (batch 1) "
+          f"{ {b: round(r, 2) for b, r in ratio.items()} }")
+    dec = inherited_decoder(stage, commit=commit)
+    return bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, stage["max_new"],
+                 sub_blocks=sub_blocks or [dec["sub_block"]], commit=dec["commit"]), ratio
 
 
 def format_row(r):
@@ -477,16 +484,9 @@ def main(argv=None):
         show(model.to(args.device).eval(), tok, test[args.index], args.blocks[0] if args.blocks else stage["block_size"],
              args.tau, stage["max_new"], **inherited_decoder(stage, args.sub_blocks[0] if args.sub_blocks else None, args.commit))
     elif args.bench:
-        ar_model, tok, _ = load_checkpoint(args.ar, args.attn, args.dtype)
-        diff_model, _, stage = load_checkpoint(args.diffusion, args.attn, args.dtype)
-        ar_model, diff_model = ar_model.to(args.device), diff_model.to(args.device)
         test, sid = data.load_split(args.data, "test", args.n)
-        blocks = args.blocks or [stage["block_size"]]
-        ratio = {b: forward_cost_ratio(diff_model.eval(), test[0]["prompt_ids"], b) for b in blocks}
-        print("cost of a block forward / a 1-token step (batch 1): " + ", ".join(f"B={b}: {r:.2f}x" for b, r in ratio.items()))
-        dec = inherited_decoder(stage, commit=args.commit)
-        rows = bench(ar_model.eval(), diff_model.eval(), tok, test, sid, args.taus, args.batch_sizes, blocks, stage["max_new"],
-                     sub_blocks=args.sub_blocks or [dec["sub_block"]], commit=dec["commit"])
+        rows, ratio = bench_checkpoints(args.ar, args.diffusion, test, sid, args.taus, args.batch_sizes, args.device,
+                                        args.blocks, args.sub_blocks, args.commit, args.attn, args.dtype)
         result = {"ar": {str(r["batch"]): r for r in rows if r["decoder"] == "ar"},  # keyed by batch size
                   "diffusion": [r for r in rows if r["decoder"] != "ar"],
                   "forward_cost_ratio": ratio, "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads()}

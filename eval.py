@@ -121,20 +121,26 @@ def score_responses(texts, examples, sid_of):
     for text, ex in zip(texts, examples):
         cands = [sid_of[i] for i in ex["candidates"]]
         ranking, kind, parsed = judge(text, cands)
-        rows.append({"validity": kind, "parsed": parsed, **rank_metrics(ranking, sid_of[ex["target"]])})
+        rows.append({"validity": kind, "parsed": parsed, "copies_retriever": kind == "valid" and parsed == cands,
+                     **rank_metrics(ranking, sid_of[ex["target"]])})
     return rows
 
 
 def floor_rows(examples):
     """The retriever order scored the same way: the floor every re-ranker is compared with."""
-    return [{"validity": "valid", **rank_metrics(list(ex["candidates"]), ex["target"])} for ex in examples]
+    return [{"validity": "valid", "copies_retriever": True, **rank_metrics(list(ex["candidates"]), ex["target"])}
+            for ex in examples]
 
 
 def summarize(rows):
-    """Means of the metrics, the valid rate and the breakdown of invalid answers."""
+    """Means of the metrics, the valid rate, the identity rate and the breakdown of invalid answers.
+
+    identity_rate: the share of answers that are valid and copy the retriever order, the reward-hacking signal
+    RL must not raise (an invalid answer falls back to that order but is not counted here)."""
     n = len(rows)
     out = {k: float(np.mean([r[k] for r in rows])) if n else 0.0 for k in METRIC_KEYS}
     out["valid_rate"] = sum(r["validity"] == "valid" for r in rows) / max(n, 1)
+    out["identity_rate"] = sum(r["copies_retriever"] for r in rows) / max(n, 1)
     out["invalid"] = {k: sum(r["validity"] == k for r in rows) for k in INVALID_KINDS}
     out["n"] = n
     return out
@@ -227,14 +233,15 @@ def write_predictions(path, examples, sid_of, texts, rows, roll=None):
 
 def stage_metrics(quality, examples, by_tau=None):
     """OUT/metrics.json content: quality-mode metrics at the top, the floor, and (diffusion) other taus."""
-    out = {k: quality[k] for k in (*METRIC_KEYS, "valid_rate", "invalid", "n")}
+    out = {k: quality[k] for k in (*METRIC_KEYS, "valid_rate", "identity_rate", "invalid", "n")}
     for k in ("tokens_per_forward", "tokens_per_s", "mean_length"):
         if k in quality:
             out[k] = quality[k]
     floor = summarize(floor_rows(examples))
     out["floor"] = {k: floor[k] for k in (*METRIC_KEYS, "n")}
     if by_tau:
-        out["by_tau"] = {str(t): {k: m[k] for k in (*METRIC_KEYS, "valid_rate", "invalid", "n", "tokens_per_forward", "tokens_per_s")}
+        out["by_tau"] = {str(t): {k: m[k] for k in (*METRIC_KEYS, "valid_rate", "identity_rate", "invalid", "n", "tokens_per_forward",
+                                                    "tokens_per_s")}
                          for t, m in by_tau.items()}
     return out
 

@@ -7,7 +7,7 @@ every checkpoint of the run (sft, naive, cft, opd, rl) on the same test examples
     results.md / results.json   Table 1, the stage ladder at tau = 1.0 (AR greedy), 95% bootstrap intervals,
                                 paired differences to the row above, the reasoning proxy and invalid causes;
                                 Table 1b, the diffusion stages at tau = 0.9, paired on the same examples;
-                                Table 2, decoding speed of AR against the final diffusion model (decode.bench)
+                                Table 2, decoding speed of AR against the final diffusion model (decode.bench_checkpoints)
     frontier.png, curves.png, masks.png   speed/accuracy frontier, training curves, the attention masks
     report/                     predictions of every decode the report had to make itself
 
@@ -26,7 +26,7 @@ import numpy as np
 from transformers import AutoConfig, AutoTokenizer
 
 import data
-from decode import COMMIT_RULES, bench, evaluate, forward_cost_ratio, inherited_decoder
+from decode import COMMIT_RULES, bench_checkpoints, evaluate, inherited_decoder
 from eval import (INVALID_CAUSES, METRIC_KEYS, SID_RE, bootstrap_ci, floor_rows, invalid_cause, paired_bootstrap,
                   read_jsonl, score_responses, sid_str, summarize, write_atomic, write_predictions)
 from model import CONTEXTS, NOISY, HelpFormatter, attention_mask, build_rows, context_of, load_checkpoint
@@ -87,12 +87,12 @@ def ladder(entries, examples, sid_of, tok):
         per = floor_rows(examples) if preds is None else score_responses([p["response"] for p in preds], examples, sid_of)
         s = summarize(per)
         row = {"name": name, "stage": stage, **{k: s[k] for k in (*METRIC_KEYS, "valid_rate", "invalid", "n")}}
+        if preds is not None:  # answers that copy the retriever order: the reward-hacking signal RL must not raise
+            row["identity_rate"] = s["identity_rate"]
         for k in ("recall@1", "recall@3", "ndcg@3"):
             row[k + "_ci"] = bootstrap_ci([r[k] for r in per])
         row["valid_rate_ci"] = bootstrap_ci([r["validity"] == "valid" for r in per])
         if preds is not None:
-            # answers that copy the retriever order: the reward-hacking signal RL must not raise
-            row["identity_rate"] = float(np.mean([p["validity"] == "valid" and p["parsed"] == p["candidates"] for p in preds]))
             row["reasoning_grounded"] = reasoning_quality(preds, examples, sid_of)
             causes = [invalid_cause(p["response"], p["candidates"]) for p in preds if p["validity"] != "valid"]
             row["invalid_causes"] = {c: causes.count(c) for c in INVALID_CAUSES if c in causes}
@@ -274,14 +274,9 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
     final = next((s for s in ("rl", "opd", "cft") if (run / s / "stage.json").exists()), None)
     t2, ratio = [], None
     if final and (run / "sft" / "stage.json").exists():
-        ar, _, _ = load_checkpoint(run / "sft")
-        diff, _, st = load_checkpoint(run / final)
-        ar, diff = ar.to(device), diff.to(device)
-        ratio = forward_cost_ratio(diff.eval(), test[0]["prompt_ids"], st["block_size"])
-        print(f"speed: {final} against the AR re-ranker on {bench_n} test prompts (block forward costs {ratio:.2f}x a 1-token step)")
-        t2_dec = inherited_decoder(st, sub_block, commit)
-        t2 = bench(ar.eval(), diff.eval(), tok, test[:bench_n], sid_of, taus, batch_sizes, [st["block_size"]], st["max_new"],
-                   sub_blocks=[t2_dec["sub_block"]], commit=t2_dec["commit"])
+        t2, ratios = bench_checkpoints(run / "sft", run / final, test[:bench_n], sid_of, taus, batch_sizes, device,
+                                       sub_blocks=None if sub_block is None else [sub_block], commit=commit)
+        ratio = next(iter(ratios.values()))  # the one trained block size
         plot_frontier(t2, run / f"frontier{sfx}.png")
     plot_curves(run, run / "curves.png")
     plot_masks(run / "masks.png", context_of(AutoConfig.from_pretrained(run / final)) if final else "causal")
@@ -300,8 +295,8 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
                  if "reasoning_tokens" in r else " | | ")
         lines.append(f"| {r['name']} | {fmt_ci(r, 'recall@1')} | {fmt_ci(r, 'recall@3')} | {fmt_ci(r, 'ndcg@3')} | "
                      f"{r['valid_rate']:.3f} | {extra} | {paper} |")
-    lines += ["", "An invalid answer is scored as the retriever order. *copies retriever*: share of answers equal to the "
-              "retriever order; *grounded ids*: share of the SIDs cited in the reasoning that are in the history or the "
+    lines += ["", "An invalid answer is scored as the retriever order. *copies retriever*: share of answers that are valid "
+              "copies of the retriever order; *grounded ids*: share of the SIDs cited in the reasoning that are in the history or the "
               "candidates (a proxy for the paper's judge study); *reasoning tokens*: mean length up to `</think>`."]
     deltas = [r for r in t1 if "delta_recall@1_vs_prev" in r]
     if deltas:
@@ -325,13 +320,14 @@ def report(run, data_dir, bench_n=64, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 
             lines.append(f"- {r['name']}: Recall@1 {d[0]:+.4f} [{d[1]:+.3f}, {d[2]:+.3f}], NDCG@3 {e[0]:+.4f} [{e[1]:+.3f}, {e[2]:+.3f}]")
         lines += invalid_lines(t1b)
     if t2:
+        dec = next(r for r in t2 if r["decoder"] == "diffusion")  # block, sub-block and commit rule of every diffusion row
         lines += ["", f"## Table 2: decoding speed, AR against `{final}` (first {bench_n} test prompts, this machine)", "",
-                  f"One block forward costs {ratio:.2f}x a 1-token AR step here (batch 1). Block {st['block_size']}"
-                  + (f", commits only inside the leftmost sub-block of {t2_dec['sub_block']} with masks" if t2_dec["sub_block"] else "")
+                  f"One block forward costs {ratio:.2f}x a 1-token AR step here (batch 1). Block {dec['block']}"
+                  + (f", commits only inside the leftmost sub-block of {dec['sub_block']} with masks" if dec["sub_block"] else "")
                   + {"prefix": ", commits only the leftmost mask and the confident run after it (prefix rule).",
                      "joint": ", commits the most confident positions while the product of their confidences is >= tau (joint rule).",
                      "prefix-joint": ", commits left to right from the leftmost mask while the product of the confidences is >= tau "
-                                     "(prefix-joint rule)."}.get(t2_dec["commit"], "."), "",
+                                     "(prefix-joint rule)."}.get(dec["commit"], "."), "",
                   "| decoder | batch | Recall@1 | valid rate | tokens/s | tokens per forward | speed-up |", "|---|---|---|---|---|---|---|"]
         for r in t2:
             name = "AR" if r["decoder"] == "ar" else f"diffusion tau = {r['tau']}"

@@ -170,10 +170,9 @@ def main(argv=None):
         rewards = [metrics.rerank_reward(t, c, sid[ex["target"]]) for t, c, ex in zip(texts, cands, examples)]
         adv = group_advantages(rewards, args.group)
         kept = [i for i, a in enumerate(adv) if a is not None]
-        judged = [metrics.judge(t, c) for t, c in zip(texts, cands)]
-        rec = {"step": step + 1, "reward": sum(rewards) / len(rewards),
-               "valid_rate": sum(k == "valid" for _, k, _ in judged) / len(judged),
-               "identity_rate": sum(k == "valid" and r == c for (r, k, _), c in zip(judged, cands)) / len(judged),
+        rollout = metrics.summarize(metrics.score_responses(texts, examples, sid))
+        rec = {"step": step + 1, "reward": sum(rewards) / len(rewards), "valid_rate": rollout["valid_rate"],
+               "identity_rate": rollout["identity_rate"],  # answers that copy the retriever order: reward hacking
                "dropped_groups": 1 - len(kept) / len(adv), "clip_frac": 0.0,
                "mean_abs_adv": sum(abs(adv[i]) for i in kept) / max(len(kept), 1),
                "tokens_per_forward": sum(map(len, roll.tokens)) / sum(roll.nfe)}

@@ -46,10 +46,20 @@ def test_rank_metrics_by_hand():
 
 
 def test_summary_counts_the_invalid_kinds():
-    rows = [{"validity": "valid", **metrics.rank_metrics(["t"], "t")},
-            {"validity": "duplicate", **metrics.rank_metrics(["x", "t"], "t")}]
+    rows = [{"validity": "valid", "copies_retriever": False, **metrics.rank_metrics(["t"], "t")},
+            {"validity": "duplicate", "copies_retriever": False, **metrics.rank_metrics(["x", "t"], "t")}]
     s = metrics.summarize(rows)
     assert s["valid_rate"] == 0.5 and s["invalid"]["duplicate"] == 1 and s["recall@1"] == 0.5 and s["n"] == 2
+
+
+def test_identity_rate_counts_only_valid_copies_of_the_retriever_order():
+    examples = [{"candidates": list(range(10)), "target": 4}] * 4
+    sid_of = {i: C[i] for i in range(10)}
+    texts = [answer(C), answer(C[::-1]), answer(C[:9] + [C[0]]), answer(C, think=False)]  # copy, re-order, 2 invalid
+    rows = metrics.score_responses(texts, examples, sid_of)
+    assert [r["copies_retriever"] for r in rows] == [True, False, False, False]
+    assert metrics.summarize(rows)["identity_rate"] == 0.25  # the invalid ones fall back to that order, uncounted
+    assert metrics.summarize(metrics.floor_rows(examples))["identity_rate"] == 1.0
 
 
 def test_floor_of_an_all_invalid_model_is_the_retriever():
