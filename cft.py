@@ -68,7 +68,7 @@ def parse_args(argv=None):
                     # than METHOD.md's block (README, CFT section)
                     help="how finished response tokens attend to each other: " +
                          "; ".join(f"{k}: {v}" for k, v in CONTEXTS.items()) + "; saved with the model")
-    ap.add_argument("--ar-weight", type=float, default=None,  # [diffusion] assumption: 0.5 (NBDiff adds one; README)
+    ap.add_argument("--ar-weight", type=float, default=None,  # [diffusion] assumption: 0.5 (NBDiff adds one; 1.0 ended level: README)
                     help="weight of an AR loss on the clean copy x_0, read from the same forward; needs --context causal "
                          "(default: 0.5 with --context causal, 0 with block)")
     add_common_args(ap, steps=0, batch_size=16, lr=7e-4, warmup=50, eval_every=150, val_n=100)
