@@ -428,7 +428,7 @@ def bench_checkpoints(ar_path, diff_path, examples, sid, taus, batch_sizes, devi
 def format_row(r):
     sub = (f"/{r['sub_block']}" if r.get("sub_block") else "") + (f" {r['commit']}" if r.get("commit", "any") != "any" else "")
     name = "AR" if r["decoder"] == "ar" else f"diffusion B={r['block']}{sub} tau={r['tau']}"
-    return (f"{name:<26} batch {r['batch']:>3} | {r['tokens_per_s']:8.1f} tok/s | {r['tokens_per_forward']:5.2f} tok/fwd | "
+    return (f"{name:<36} batch {r['batch']:>3} | {r['tokens_per_s']:8.1f} tok/s | {r['tokens_per_forward']:5.2f} tok/fwd | "
             f"speed-up {r['speedup']:5.2f}x | valid {r['valid_rate']:.3f} | R@1 {r['recall@1']:.3f}")
 
 
