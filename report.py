@@ -87,12 +87,11 @@ def ladder(entries, examples, sid_of, tok):
         per = floor_rows(examples) if preds is None else score_responses([p["response"] for p in preds], examples, sid_of)
         s = summarize(per)
         row = {"name": name, "stage": stage, **{k: s[k] for k in (*METRIC_KEYS, "valid_rate", "invalid", "n")}}
-        if preds is not None:  # answers that copy the retriever order: the reward-hacking signal RL must not raise
-            row["identity_rate"] = s["identity_rate"]
         for k in ("recall@1", "recall@3", "ndcg@3"):
             row[k + "_ci"] = bootstrap_ci([r[k] for r in per])
         row["valid_rate_ci"] = bootstrap_ci([r["validity"] == "valid" for r in per])
         if preds is not None:
+            row["identity_rate"] = s["identity_rate"]  # answers copying the retriever order: the reward-hacking signal
             row["reasoning_grounded"] = reasoning_quality(preds, examples, sid_of)
             causes = [invalid_cause(p["response"], p["candidates"]) for p in preds if p["validity"] != "valid"]
             row["invalid_causes"] = {c: causes.count(c) for c in INVALID_CAUSES if c in causes}
