@@ -151,7 +151,7 @@ def main(argv=None):
             score = val["val_valid_rate"] + val["val_valid_rate_0.9"] + val["val_recall1"]
             best = keep_best(out, model, tok, stage, opt, step + 1, val, score, best, t0)
 
-    model, tok, stage = load_best(out, args, "CFT", t0)
+    model, tok, stage = load_best(out, args, "CFT", t0, tok)
     return metrics.run_test(out, model, tok, test, sid, "diffusion", args.block, max_new, args.eval_batch, metrics.SPEED_TAUS,
                             args.tau_n, **dec)
 

@@ -44,7 +44,6 @@ import eval as metrics
 from model import (CLEAN, NOISY, PAD, PROMPT, HelpFormatter, add_runtime_args, attention_mask, build_rows, compute,
                    context_of, for_attention, gather_logits, hidden_states, load_checkpoint, start, target_sources)
 
-
 COMMIT_RULES = ("any", "prefix", "joint", "prefix-joint")  # [diffusion] which confident positions a step may commit (docstring)
 COMMIT_HELP = ("which confident positions a decoding step commits: any (the paper's rule, METHOD.md 5), prefix "
                "(the leftmost mask and the confident run after it, left to right), or joint / prefix-joint (the same "
@@ -82,16 +81,17 @@ class CachedModel:
         ids, desc, lengths = left_pad(prompts, pad_id)
         self.prompt_ids, self.prompt_desc, self.prompt_len = ids.to(dev), tuple(t.to(dev) for t in desc), lengths.to(dev)
         self.keys = tuple(t[:, :0] for t in self.prompt_desc)
-        self.edge = self.forward(self.prompt_ids, self.prompt_desc, keep=True)[:, -1]  # predicts response token 0
+        self.edge = self.forward(self.prompt_ids, self.prompt_desc, keep=True)  # predicts response token 0
 
     def forward(self, ids, desc, keep):
-        """Logits (B, n, V) at the n positions of `ids`; keep=False crops the cache back afterwards."""
+        """keep=False: logits (B, n, V) at the n positions of `ids`, the cache cropped back afterwards. keep=True:
+        they join the cache and only the last logits (B, V) come back (a prefill's P x V would be wasted)."""
         keys = tuple(torch.cat([a, b], 1) for a, b in zip(self.keys, desc))
         mask = attention_mask(desc, keys, context_of(self.model))
         with compute(self.model):
-            out = self.model.model(input_ids=ids, attention_mask=for_attention(mask, self.model), position_ids=desc[2],
-                                   cache=self.cache, use_cache=True)
-            logits = self.model.lm_head(out.last_hidden_state).float()
+            h = self.model.model(input_ids=ids, attention_mask=for_attention(mask, self.model), position_ids=desc[2],
+                                 cache=self.cache, use_cache=True).last_hidden_state
+            logits = self.model.lm_head(h[:, -1] if keep else h).float()
         if keep:
             self.keys = keys
         else:
@@ -139,7 +139,7 @@ def ar_generate(model, prompts, max_new, eos_id, pad_id, temperature=0.0, genera
             break
         for i in (~done).nonzero()[:, 0].tolist():
             nfe[i] += 1
-        logits = state.forward(tok[:, None], state.response_desc(r, 1, 1), keep=True)[:, -1]
+        logits = state.forward(tok[:, None], state.response_desc(r, 1, 1), keep=True)
     return Rollout(tokens=out, nfe=nfe)
 
 
@@ -196,7 +196,7 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
             break
         if use_cache:
             nfe += ~done
-            state.edge = state.forward(canvas[:, lo:hi], desc, keep=True)[:, -1]  # the commit forward
+            state.edge = state.forward(canvas[:, lo:hi], desc, keep=True)  # the commit forward
     rows = canvas.tolist()
     tokens = [row[:row.index(eos_id) + 1 if eos_id in row else len(row)] for row in rows]  # up to the end token
     return Rollout(tokens=tokens, canvas=rows, steps=steps.tolist(), nfe=nfe.tolist())
@@ -344,9 +344,7 @@ def evaluate(model, tok, examples, sid, mode, block=32, tau=1.0, max_new=256, ba
 
 def validate(model, tok, valid, sid, mode, block, max_new, batch, sub_block=0, commit="any"):
     """The training-time check: valid rate and Recall@1 of greedy decoding (and, for diffusion, at tau = 0.9).
-
-    Returns the numbers and the tau = 1.0 / AR responses (rl.py scores its held-out reward on them).
-    """
+    Returns the numbers and the tau = 1.0 / AR responses (rl.py scores its held-out reward on them)."""
     q, _, texts, _ = evaluate(model, tok, valid, sid, mode, block, 1.0, max_new, batch, sub_block=sub_block, commit=commit)
     res = {"val_valid_rate": q["valid_rate"], "val_recall1": q["recall@1"]}
     if mode == "diffusion":
@@ -413,7 +411,8 @@ def bench_checkpoints(ar_path, diff_path, examples, sid, taus, batch_sizes, devi
                       commit=None, attn="sdpa", dtype="float32"):
     """Load an AR and a block-diffusion checkpoint and `bench` them on `examples`, decoding with the diffusion
     checkpoint's block size, sub-block and commit rule unless given. Returns (rows, {block: forward cost ratio})."""
-    (ar_model, tok, _), (diff_model, _, stage) = (load_checkpoint(path, attn, dtype) for path in (ar_path, diff_path))
+    ar_model, tok, _ = load_checkpoint(ar_path, attn, dtype)
+    diff_model, _, stage = load_checkpoint(diff_path, attn, dtype, tok)  # one tokenizer, parsed once
     ar_model, diff_model = ar_model.to(device).eval(), diff_model.to(device).eval()
     blocks = blocks or [stage["block_size"]]
     seconds = forward_seconds(diff_model, [examples[0]["prompt_ids"]], (1, *blocks))  # against one cached prompt

@@ -132,13 +132,14 @@ def save_checkpoint(path, model, tok, stage, extra=None):
     tmp.rmdir()
 
 
-def load_checkpoint(path, attn="sdpa", dtype="float32"):
-    """(model, tokenizer, stage dict) from a folder written by save_checkpoint; never unpickles code."""
+def load_checkpoint(path, attn="sdpa", dtype="float32", tok=None):
+    """(model, tokenizer, stage dict) from a folder written by save_checkpoint; never unpickles code.
+    `tok`: the run's tokenizer, already in memory, instead of parsing it again (Qwen3's takes ~2 s)."""
     path = Path(path)
     if not (path / "stage.json").exists():
         raise FileNotFoundError(f"{path}: not a checkpoint of this project (no stage.json)")
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=DTYPES[dtype], use_safetensors=True)
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path) if tok is None else tok
     return with_dtype(model, dtype), tok, json.loads((path / "stage.json").read_text())
 
 
@@ -182,9 +183,9 @@ def keep_best(out, model, tok, stage, opt, step, val, score, best, t0, **extra):
     return best
 
 
-def load_best(out, args, name, t0):
-    """The best checkpoint of a finished stage, on args.device, for its final test."""
-    model, tok, stage = load_checkpoint(out, args.attn, args.dtype)
+def load_best(out, args, name, t0, tok):
+    """The best checkpoint of a finished stage, on args.device, for its final test (training kept `tok`)."""
+    model, tok, stage = load_checkpoint(out, args.attn, args.dtype, tok)
     print(f"{name} took {(time.time() - t0) / 60:.1f} min; testing the best checkpoint (step {stage['step']}) ...")
     return model.to(args.device), tok, stage
 

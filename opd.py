@@ -168,7 +168,7 @@ def main(argv=None):
             best = keep_best(out, student, tok, stage, opt, step + 1, val, score, best, t0, kl_init=state["kl_init"])
         log(**rec)
 
-    student, tok, stage = load_best(out, args, "OPD", t0)
+    student, tok, stage = load_best(out, args, "OPD", t0, tok)
     # metrics.json is written once, below, with the KL and agreement figures: run.sh takes it as "OPD finished"
     result = metrics.run_test(out, student, tok, test, sid, "diffusion", block, max_new, args.eval_batch, metrics.SPEED_TAUS,
                               args.tau_n, write_metrics=False, **dec)

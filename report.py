@@ -67,7 +67,7 @@ def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu", 
             by_id = {p["id"]: p for p in read_jsonl(path)}
             if all(ex["id"] in by_id for ex in examples):  # it covers these examples (maybe more)
                 return [by_id[ex["id"]] for ex in examples]
-    model, _, st = load_checkpoint(Path(run) / stage)
+    model, _, st = load_checkpoint(Path(run) / stage, tok=tok)
     model.to(device)
     mode = "ar" if not st.get("block_size") else "diffusion"
     print(f"decoding {len(examples)} test examples with {stage} at tau = {tau} ...")

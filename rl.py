@@ -189,7 +189,7 @@ def main(argv=None):
             best = keep_best(out, model, tok, stage, opt, step + 1, dict(rec), rec["val_reward"], best, t0)
         log(**rec)
 
-    model, tok, stage = load_best(out, args, "RL", t0)
+    model, tok, stage = load_best(out, args, "RL", t0, tok)
     if stage["step"] == 0:
         print(f"no RL checkpoint beat the starting weights on held-out reward: {out} holds {args.init}'s weights")
     return metrics.run_test(out, model, tok, test, sid, mode, block, max_new, args.eval_batch,

@@ -80,7 +80,7 @@ def main(argv=None):
                        f"val valid {rec['val_valid_rate']:.3f} R@1 {rec['val_recall1']:.3f}")
             best = keep_best(out, model, tok, stage, opt, step + 1, val, score, best, t0)
 
-    model, tok, stage = load_best(out, args, "SFT", t0)
+    model, tok, stage = load_best(out, args, "SFT", t0, tok)
     return metrics.run_test(out, model, tok, test, sid, "ar", max_new=max_new, batch_size=args.eval_batch)
 
 
