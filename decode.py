@@ -294,6 +294,9 @@ def add_decoder_args(ap):  # [diffusion]
                     help="decode with sub-blocks of this size (0 = commit anywhere in the block; default: the parent checkpoint's)")
     ap.add_argument("--commit", choices=COMMIT_RULES, default=None,
                     help=COMMIT_HELP + "; default: the parent checkpoint's")
+    ap.add_argument("--rollout-commit", choices=COMMIT_RULES, default="any",  # assumption: the paper's rule; OPD on
+                    # prefix-joint rollouts lifted tau 0.9 less than on these (README, Stage 2)
+                    help="commit rule of the training rollouts only; validation, test and the saved checkpoint use --commit")
 
 
 def inherited_decoder(parent, sub_block=None, commit=None):  # [diffusion]

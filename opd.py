@@ -121,6 +121,8 @@ def main(argv=None):
     stage = {"stage": "opd", "parent": str(args.init), "teacher": str(args.teacher), "block_size": block, **dec,
              "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
     kl_examples = test[:args.kl_n]
+    print(f"rollouts: G'={args.group} x {args.prompts_per_step} prompts, tau={args.tau}, temperature={args.temperature}, "
+          f"sub-block {dec['sub_block']}, commit {args.rollout_commit} (validation and test: {dec['commit']})")
 
     opt = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     start, state = (0, {}) if args.fresh else resume(out, student, opt)
@@ -139,7 +141,7 @@ def main(argv=None):
         student.eval()  # [diffusion] the student's own trajectories, from the real decoder
         gen = torch.Generator(device=args.device).manual_seed(args.seed * 100003 + step)
         roll, _ = generate(student, tok, prompts, "diffusion", block, args.tau, max_new, len(prompts), args.temperature, gen,
-                           **dec)
+                           **{**dec, "commit": args.rollout_commit})  # [diffusion] explore with the rollout rule
         student.train()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)

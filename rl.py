@@ -140,7 +140,8 @@ def main(argv=None):
     stage = {"stage": "rl" if mode == "diffusion" else "rl-ar", "parent": str(args.init), "block_size": parent.get("block_size"),
              **dec, "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
     print(f"rollouts: G={args.group} x {args.prompts_per_step} prompts, tau={args.tau}, temperature={args.temperature}, "
-          f"policy={args.policy}" + (f", sub-block {dec['sub_block']}, commit {dec['commit']}" if mode == "diffusion" else ""))
+          f"policy={args.policy}" + (f", sub-block {dec['sub_block']}, commit {args.rollout_commit} (validation and test: "
+                                     f"{dec['commit']})" if mode == "diffusion" else ""))
 
     def held_out():
         """Mean reward of greedy (tau = 1.0) answers on validation prompts, and the validation metrics."""
@@ -164,7 +165,8 @@ def main(argv=None):
         prompts = [ex["prompt_ids"] for ex in examples]
         model.eval()
         gen = torch.Generator(device=args.device).manual_seed(args.seed * 100003 + step)
-        roll, _ = generate(model, tok, prompts, mode, block, args.tau, max_new, len(prompts), args.temperature, gen, **dec)
+        roll, _ = generate(model, tok, prompts, mode, block, args.tau, max_new, len(prompts), args.temperature, gen,
+                           **{**dec, "commit": args.rollout_commit})  # [diffusion] the rollout rule (decode.add_decoder_args)
         texts = [tok.decode(t) for t in roll.tokens]
         cands = [[sid[c] for c in ex["candidates"]] for ex in examples]
         rewards = [metrics.rerank_reward(t, c, sid[ex["target"]]) for t, c, ex in zip(texts, cands, examples)]

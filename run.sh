@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-SOURCE=synthetic RAW="" OUT="" QUICK=0 SUB=0 COMMIT=any DEVICE=cpu CFT_EPOCHS="" CONTEXT=causal
+SOURCE=synthetic RAW="" OUT="" QUICK=0 SUB=0 COMMIT="" DEVICE=cpu CFT_EPOCHS="" CONTEXT=causal
 while [ $# -gt 0 ]; do
   case "$1" in
     --data) SOURCE="$2"; shift 2 ;;
@@ -23,9 +23,9 @@ while [ $# -gt 0 ]; do
     --out) OUT="$2"; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --sub-block) SUB="$2"; shift 2 ;;
-    --commit) COMMIT="$2"; shift 2 ;;
+    --commit) COMMIT="$2"; shift 2 ;;        # cft.py --commit (its default: prefix-joint)
     --device) DEVICE="$2"; shift 2 ;;          # every stage and the report (cpu, cuda, cuda:1, ...)
-    --cft-epochs) CFT_EPOCHS="$2"; shift 2 ;;  # CFT's passes over the traces (cft.py's default: 2)
+    --cft-epochs) CFT_EPOCHS="$2"; shift 2 ;;  # CFT's passes over the traces (cft.py's default: 1000 steps, 2.2 epochs)
     --context) CONTEXT="$2"; shift 2 ;;        # cft.py --context: causal (default, with the AR loss) or block
     -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
@@ -72,7 +72,7 @@ if [ ! -f "$DATA/stats.json" ]; then
 fi
 D="--data $DATA --device $DEVICE"
 stage sft   python sft.py $D --out "$OUT/sft" $SFT
-DEC="--sub-block $SUB --commit $COMMIT --context $CONTEXT"  # opd and rl inherit all three from cft
+DEC="--sub-block $SUB --context $CONTEXT${COMMIT:+ --commit $COMMIT}"  # opd and rl inherit all three from cft
 stage naive python cft.py $D --init "$OUT/sft" --out "$OUT/naive" --epochs 0 --tau-n 100 $DEC
 stage cft   python cft.py $D --init "$OUT/sft" --out "$OUT/cft" $DEC $CFT
 stage opd   python opd.py $D --init "$OUT/cft" --teacher "$OUT/sft" --out "$OUT/opd" $OPD

@@ -62,7 +62,8 @@ def check_outputs(d, out, with_report=True):
         stage_info = json.loads((out / stage / "stage.json").read_text())
         assert stage_info["stage"] == stage and (stage == "sft") == (stage_info["block_size"] is None)
         assert stage_info.get("sub_block") == {"sft": None, "naive": 0}.get(stage, 4), stage
-        assert stage_info.get("commit") == {"sft": None, "naive": "any", "cft": "any"}.get(stage, "prefix"), stage
+        own_commit = {"sft": None, "naive": "prefix-joint", "cft": "prefix-joint"}.get(stage, "prefix")
+        assert stage_info.get("commit") == own_commit, stage
         config = json.loads((out / stage / "config.json").read_text())
         assert config.get("diffusion_context") == {"sft": None}.get(stage, "causal"), stage  # the default, inherited
         assert model_lib.context_of(AutoConfig.from_pretrained(out / stage)) == {"sft": "block"}.get(stage, "causal")
@@ -89,16 +90,16 @@ def test_report_can_decode_every_diffusion_stage_with_another_sub_block(word_run
     report.report(out, d, bench_n=2, batch_sizes=(1,), taus=(0.9,), sub_block=0)
     res = json.loads((out / "results_sub0.json").read_text())
     assert [r["sub_block"] for r in res["table2"] if r["decoder"] == "diffusion"] == [0]
-    for stage, tag in (("cft", "sub0"), ("opd", "sub0_prefix"), ("rl", "sub0_prefix")):  # trained with sub-block 4:
+    for stage, tag in (("cft", "sub0_prefix-joint"), ("opd", "sub0_prefix"), ("rl", "sub0_prefix")):  # sub-block 4:
         fresh = metrics.read_jsonl(out / "report" / f"{stage}_{tag}_predictions.jsonl")  # decoded afresh with 0 (own rule)
         assert [p["id"] for p in fresh] == [p["id"] for p in metrics.read_jsonl(out / stage / "predictions.jsonl")]
     assert not (out / "report" / "naive_sub0_predictions.jsonl").exists()  # naive already decodes with 0: its own file
     assert (out / "results.json").read_text() == before and (out / "results_sub0.md").exists()
-    report.report(out, d, bench_n=2, batch_sizes=(1,), taus=(0.9,), commit="any")  # opd and rl were decoded with prefix
-    res = json.loads((out / "results_any.json").read_text())
-    assert [(r["sub_block"], r["commit"]) for r in res["table2"] if r["decoder"] == "diffusion"] == [(4, "any")]
-    assert all((out / "report" / f"{stage}_sub4_predictions.jsonl").exists() for stage in ("opd", "rl"))
-    assert not (out / "report" / "cft_sub4_predictions.jsonl").exists()  # cft decodes with (4, any): its own file
+    report.report(out, d, bench_n=2, batch_sizes=(1,), taus=(0.9,), commit="prefix-joint")  # opd and rl: prefix
+    res = json.loads((out / "results_prefix-joint.json").read_text())
+    assert [(r["sub_block"], r["commit"]) for r in res["table2"] if r["decoder"] == "diffusion"] == [(4, "prefix-joint")]
+    assert all((out / "report" / f"{stage}_sub4_prefix-joint_predictions.jsonl").exists() for stage in ("opd", "rl"))
+    assert not (out / "report" / "cft_sub4_prefix-joint_predictions.jsonl").exists()  # cft's own decoder: its own file
 
 
 def test_paired_comparison_of_two_prediction_files(word_run, tmp_path, capsys):
@@ -199,6 +200,30 @@ def test_interrupted_training_resumes_to_the_same_weights(word_run, tmp_path, mo
     assert [r["step"] for r in metrics.read_jsonl(tmp_path / "resumed" / "log.jsonl")] == [1, 2, 3]
 
 
+def test_cft_resumes_between_sparse_validations(word_run, tmp_path, monkeypatch):
+    d, out = word_run  # validation only at the end (--eval-every 3): OUT/last comes from --save-every alone
+    args = ["--data", str(d), "--init", str(out / "sft"), "--val-n", "2", "--eval-batch", "4", "--block", "8",
+            "--batch-size", "2", "--steps", "3", "--eval-every", "3", "--save-every", "1", "--test-n", "2"]
+    cft.main(args + ["--out", str(tmp_path / "straight")])
+    save = cft.save_progress
+
+    def crash_after_step_two(out, model, tok, stage, opt, step, state):
+        save(out, model, tok, stage, opt, step, state)
+        if step == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cft, "save_progress", crash_after_step_two)
+    with pytest.raises(KeyboardInterrupt):
+        cft.main(args + ["--out", str(tmp_path / "resumed")])
+    assert model_lib.load_trainer_state(tmp_path / "resumed" / "last")["step"] == 2
+    monkeypatch.setattr(cft, "save_progress", save)
+    cft.main(args + ["--out", str(tmp_path / "resumed")])
+    a, _, _ = load_checkpoint(tmp_path / "straight")
+    b, _, _ = load_checkpoint(tmp_path / "resumed")
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert [r["step"] for r in metrics.read_jsonl(tmp_path / "resumed" / "log.jsonl")] == [0, 3]
+
+
 @pytest.mark.skipif(not QWEN.exists(), reason="shared Qwen3 tokenizer not present")
 def test_qwen3_tokenizer_pipeline(tmp_path):
     # max_new 16: every logit row spans Qwen3's 151,936 tokens; the report (tokenizer-independent beyond what
@@ -207,6 +232,27 @@ def test_qwen3_tokenizer_pipeline(tmp_path):
     check_outputs(d, out, with_report=False)
     _, tok, _ = load_checkpoint(out / "rl")
     assert tok.mask_token_id == 151669 and len(tok) > 151669
+
+
+@pytest.mark.parametrize("stage", ["opd", "rl"])
+def test_rollouts_use_the_rollout_rule_and_the_checkpoint_keeps_its_own(word_run, tmp_path, monkeypatch, stage):
+    d, out = word_run
+    script = {"opd": opd, "rl": rl}[stage]
+    seen = []  # (tau, commit) of every decode the stage makes
+
+    def recording(model, tok, prompts, mode, block=32, tau=1.0, *args, **kwargs):
+        seen.append((tau, kwargs.get("commit")))
+        return generate(model, tok, prompts, mode, block, tau, *args, **kwargs)
+
+    generate = script.generate
+    monkeypatch.setattr(script, "generate", recording)
+    args = ["--data", str(d), "--val-n", "2", "--eval-batch", "4", "--steps", "1", "--prompts-per-step", "1",
+            "--group", "2", "--test-n", "2", "--tau", "0.7", "--rollout-commit", "joint", "--out", str(tmp_path / stage)]
+    parent = out / ("cft" if stage == "opd" else "opd")
+    script.main(args + ["--init", str(parent)] + (["--teacher", str(out / "sft"), "--kl-n", "2"] if stage == "opd" else []))
+    assert ("0.7", "joint") in {(str(t), c) for t, c in seen}  # the training rollouts
+    own = json.loads((parent / "stage.json").read_text())["commit"]
+    assert json.loads((tmp_path / stage / "stage.json").read_text())["commit"] == own != "joint"
 
 
 def test_opd_from_a_parent_without_test_answers_skips_only_the_teacher_agreement(word_run, tmp_path):
