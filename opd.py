@@ -15,7 +15,7 @@ log-probabilities. `--reverse` uses KL(student || teacher); `--clean-prefix` sco
 everything before it clean and the rest of its block masked, instead of the replayed canvas
 (assumption: the paper does not give the exact context).
 
-    python opd.py --data data/synthetic --init out/cft --teacher out/sft --out out/opd      # CPU (33-56 min)
+    python opd.py --data data/synthetic --init out/cft --teacher out/sft --out out/opd      # CPU (25-56 min)
     python opd.py --data data/synthetic-qwen3 --init out/cft-qwen --teacher out/sft-qwen --out out/opd-qwen \\
         --dtype bf16-mixed --device cuda --prompts-per-step 32 --rows 16 --lr 1e-6 --steps 200   # one GPU
 """

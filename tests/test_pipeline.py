@@ -144,7 +144,7 @@ def test_report_never_reuses_a_decode_older_than_the_checkpoint(word_run):
     tok = AutoTokenizer.from_pretrained(d / "tokenizer")
     decode = lambda: report.stage_predictions(out, "cft", test, sid_of, tok, 1.0, sub_block=2)
     decode()
-    cache = out / "report" / "cft_sub2_predictions.jsonl"
+    cache = out / "report" / "cft_sub2_prefix-joint_predictions.jsonl"  # cft decodes with its own rule, prefix-joint
     recs = metrics.read_jsonl(cache)
     recs[0]["response"] = "stale"
     cache.write_text("".join(json.dumps(r) + "\n" for r in recs))
