@@ -25,9 +25,9 @@ without the AR loss. Validation is sparse (it decodes); OUT/last is refreshed ev
     python cft.py --data data/synthetic --init out/sft --out out/naive --epochs 0    # the naive row
     python cft.py --data data/synthetic --init out/sft --out out/cft                  # CPU: 1000 steps, 31 min of
                                                                                       # training + 4 of test (2 cores)
-    python cft.py --data data/synthetic --init out/sft --out out/cft7 --epochs 7 --commit prefix \
+    python cft.py --data data/synthetic --init out/sft --out out/cft7 --epochs 7 --commit prefix \\
         --context block [--device cuda]  # the valid-rate targets (README): 2.7 h on 2 CPU cores, ~4 min on an H200
-    python cft.py --data data/synthetic-qwen3 --init out/sft-qwen --out out/cft-qwen \
+    python cft.py --data data/synthetic-qwen3 --init out/sft-qwen --out out/cft-qwen \\
         --dtype bf16-mixed --device cuda --batch-size 16 --lr 1e-5 --epochs 3           # one GPU
 """
 import argparse

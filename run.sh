@@ -5,7 +5,8 @@
 #   bash run.sh --quick                            # every stage for a few steps: the mechanics only (4-8 min)
 #   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # ~100 min, cut short
 #   bash run.sh --sub-block 8 --out out-sb8         # decode in sub-blocks of 8 (Fast-dLLM v2), OPD and RL too
-#   bash run.sh --commit prefix --out out-px        # commit only confident runs from the leftmost mask, OPD and RL too
+#   bash run.sh --commit prefix --out out-px        # commit only confident runs from the leftmost mask (OPD and RL
+#                                                   # validate and test so; their rollouts keep the paper's rule)
 #   bash run.sh --context block --commit prefix --cft-epochs 7 --device cuda --out out-gpu   # one GPU: the longer
 #                                                   # CFT that met the targets (README: Trained longer on a GPU)
 #   bash run.sh --context block                     # METHOD.md's block context, no AR loss (117 min on a faster host)
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
     --device) DEVICE="$2"; shift 2 ;;          # every stage and the report (cpu, cuda, cuda:1, ...)
     --cft-epochs) CFT_EPOCHS="$2"; shift 2 ;;  # CFT's passes over the traces (cft.py's default: 1000 steps, 2.2 epochs)
     --context) CONTEXT="$2"; shift 2 ;;        # cft.py --context: causal (default, with the AR loss) or block
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
