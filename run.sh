@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole Diffusion-GR2 recipe in one command: data -> AR re-ranker -> naive conversion -> CFT -> OPD -> RL -> report.
 #
-#   bash run.sh                                    # synthetic default on a CPU (~108 min of stages on a 2-core host, measured)
+#   bash run.sh                                    # synthetic default on a CPU (105-137 min on 2-core hosts: README, Results)
 #   bash run.sh --quick                            # every stage for a few steps: the mechanics only (4-8 min)
 #   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # ~100 min, cut short
 #   bash run.sh --sub-block 8 --out out-sb8         # decode in sub-blocks of 8 (Fast-dLLM v2), OPD and RL too
