@@ -7,7 +7,8 @@ every checkpoint of the run (sft, naive, cft, opd, rl) on the same test examples
     results.md / results.json   Table 1, the stage ladder at tau = 1.0 (AR greedy), 95% bootstrap intervals,
                                 paired differences to the row above, the reasoning proxy and invalid causes;
                                 Table 1b, the diffusion stages at tau = 0.9, paired on the same examples;
-                                Table 2, decoding speed of AR against the final diffusion model (decode.bench_checkpoints)
+                                Table 2, decoding speed of AR against the final diffusion model at tau = 0.9, 0.6, 0.4
+                                (decode.bench_checkpoints; `--taus 1.0 0.9 0.6 0.4` adds the slow tau = 1.0 rows)
     frontier.png, curves.png, masks.png   speed/accuracy frontier, training curves, the attention masks
     report/                     predictions of every decode the report had to make itself
 
@@ -27,7 +28,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 import data
 from decode import COMMIT_RULES, bench_checkpoints, evaluate, inherited_decoder
-from eval import (INVALID_CAUSES, METRIC_KEYS, SID_RE, bootstrap_ci, floor_rows, invalid_cause, paired_bootstrap,
+from eval import (INVALID_CAUSES, METRIC_KEYS, SID_RE, SPEED_TAUS, bootstrap_ci, floor_rows, invalid_cause, paired_bootstrap,
                   read_jsonl, score_responses, sid_str, summarize, write_atomic, write_predictions)
 from model import CONTEXTS, NOISY, HelpFormatter, attention_mask, build_rows, context_of, load_checkpoint
 
@@ -257,7 +258,7 @@ def paired(path_a, path_b, data_dir):
     return rows
 
 
-def report(run, data_dir, bench_n=200, batch_sizes=(1, 16), taus=(1.0, 0.9, 0.6, 0.4), tau_n=200, device="cpu", sub_block=None,
+def report(run, data_dir, bench_n=200, batch_sizes=(1, 16), taus=SPEED_TAUS, tau_n=200, device="cpu", sub_block=None,
            commit=None):
     """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and plots.
 
@@ -347,6 +348,9 @@ def main(argv=None):
     ap.add_argument("--bench-n", type=int, default=200,  # 200 = Table 1b's examples: at 64 one answer moves Recall@1 by 0.016
                     help="test prompts for the speed table (the first N; the default matches --tau-n)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="decoding batch sizes for the speed table")
+    # tau = 1.0 is left to Table 1: it commits one token per block forward, the slowest row (6 minutes on a 2-core CPU)
+    ap.add_argument("--taus", type=float, nargs="+", default=list(SPEED_TAUS),
+                    help="commit thresholds for the speed table's diffusion rows")
     ap.add_argument("--tau-n", type=int, default=200, help="test examples for the tau = 0.9 ladder (0 = all)")
     ap.add_argument("--device", default="cpu", help="torch device for the decoding the report does")
     ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
@@ -363,7 +367,7 @@ def main(argv=None):
     elif args.paired:
         paired(*args.paired, args.data)
     elif args.report:
-        report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tau_n=args.tau_n, device=args.device,
+        report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tuple(args.taus), tau_n=args.tau_n, device=args.device,
                sub_block=args.sub_block, commit=args.commit)
     else:
         ap.error("choose --report, --paired or --masks-figure")
