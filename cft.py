@@ -79,7 +79,7 @@ def parse_args(argv=None):
                     help="refresh OUT/last (what an interrupted run resumes from) every this many steps between validations")
     add_common_args(ap, steps=1000, batch_size=16, lr=7e-4, warmup=50, eval_every=500, val_n=100)  # assumption: 1000
     # steps (2.2 epochs; the paper trains 3): what fits the stage's 45 minutes on a 2-core CPU (README, Stage 1).
-    # A validation decodes 2 x 100 examples (1.5 minutes there); it never changes the training (the noise is per step)
+    # A validation decodes 2 x 100 examples (about 1.5 minutes there); it never changes the training (the noise is per step)
     args = ap.parse_args(argv)
     if not 0 <= args.sub_block <= args.block:
         ap.error(f"--sub-block must be between 0 (off) and --block {args.block}, got {args.sub_block}")

@@ -348,7 +348,7 @@ def main(argv=None):
     ap.add_argument("--bench-n", type=int, default=200,  # 200 = Table 1b's examples: at 64 one answer moves Recall@1 by 0.016
                     help="test prompts for the speed table (the first N; the default matches --tau-n)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="decoding batch sizes for the speed table")
-    # tau = 1.0 is left to Table 1: it commits one token per block forward, the slowest row (6 minutes on a 2-core CPU)
+    # tau = 1.0 is left to Table 1: it commits one token per block forward, the slowest rows (~6 minutes on a 2-core CPU)
     ap.add_argument("--taus", type=float, nargs="+", default=list(SPEED_TAUS),
                     help="commit thresholds for the speed table's diffusion rows")
     ap.add_argument("--tau-n", type=int, default=200, help="test examples for the tau = 0.9 ladder (0 = all)")
