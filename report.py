@@ -30,7 +30,8 @@ import data
 from decode import COMMIT_RULES, bench_checkpoints, evaluate, inherited_decoder
 from eval import (INVALID_CAUSES, METRIC_KEYS, SID_RE, SPEED_TAUS, bootstrap_ci, floor_rows, invalid_cause, paired_bootstrap,
                   read_jsonl, score_responses, sid_str, summarize, write_atomic, write_predictions)
-from model import CONTEXTS, NOISY, HelpFormatter, attention_mask, build_rows, context_of, load_checkpoint
+from model import (CONTEXTS, DTYPE_HELP, DTYPES, NOISY, HelpFormatter, attention_mask, build_rows, context_of,
+                   load_checkpoint, resolve_dtype)
 
 STAGES = [("sft", "AR re-ranker (GR2)"), ("naive", "naive conversion"), ("cft", "+ CFT"),
           ("opd", "+ CFT + OPD"), ("rl", "+ CFT + OPD -> RL")]
@@ -51,7 +52,7 @@ def reasoning_quality(preds, examples, sid_of):
     return real / cited if cited else float("nan")
 
 
-def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu", sub_block=None, commit=None):
+def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu", sub_block=None, commit=None, dtype="float32"):
     """The stage's own predictions at `tau` when they cover `examples`, else a fresh decode (kept in run/report).
 
     sub_block / commit (not None) decode a diffusion stage with that sub-block / commit rule instead of its own."""
@@ -68,7 +69,7 @@ def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu", 
             by_id = {p["id"]: p for p in read_jsonl(path)}
             if all(ex["id"] in by_id for ex in examples):  # it covers these examples (maybe more)
                 return [by_id[ex["id"]] for ex in examples]
-    model, _, st = load_checkpoint(Path(run) / stage, tok=tok)
+    model, _, st = load_checkpoint(Path(run) / stage, dtype=dtype, tok=tok)
     model.to(device)
     mode = "ar" if not st.get("block_size") else "diffusion"
     print(f"decoding {len(examples)} test examples with {stage} at tau = {tau} ...")
@@ -110,20 +111,20 @@ def ladder(entries, examples, sid_of, tok):
     return rows
 
 
-def table1(run, test, sid_of, tok, device="cpu", sub_block=None, commit=None):
+def table1(run, test, sid_of, tok, device="cpu", sub_block=None, commit=None, dtype="float32"):
     """The stage ladder at tau = 1.0 (AR greedy for the AR re-ranker)."""
     entries = [("floor", "retriever floor", None)]
-    entries += [(stage, name, stage_predictions(run, stage, test, sid_of, tok, 1.0, device, sub_block, commit))
+    entries += [(stage, name, stage_predictions(run, stage, test, sid_of, tok, 1.0, device, sub_block, commit, dtype))
                 for stage, name in STAGES if (Path(run) / stage / "stage.json").exists()]
     return ladder(entries, test, sid_of, tok)
 
 
-def table1b(run, examples, sid_of, tok, tau=0.9, device="cpu", sub_block=None, commit=None):
+def table1b(run, examples, sid_of, tok, tau=0.9, device="cpu", sub_block=None, commit=None, dtype="float32"):
     """The diffusion stages at a parallel threshold, paired on the same examples: does each stage keep its gains?
     The AR re-ranker (greedy) is the reference row, so CFT's paired difference is its gap to AR."""
     entries = [("floor", "retriever floor", None)]
     entries += [(stage, name, stage_predictions(run, stage, examples, sid_of, tok, 1.0 if stage == "sft" else tau, device,
-                                                       sub_block, commit))
+                                                       sub_block, commit, dtype))
                 for stage, name in STAGES if stage in ("sft", "cft", "opd", "rl") and (Path(run) / stage / "stage.json").exists()]
     rows = ladder(entries, examples, sid_of, tok)
     for r in rows:
@@ -259,23 +260,24 @@ def paired(path_a, path_b, data_dir):
 
 
 def report(run, data_dir, bench_n=200, batch_sizes=(1, 16), taus=SPEED_TAUS, tau_n=200, device="cpu", sub_block=None,
-           commit=None):
+           commit=None, dtype="float32"):
     """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and plots.
 
     sub_block / commit (not None) decode every diffusion stage with that sub-block / commit rule instead of
-    its own; the files are then named results_sub{n}.md, results_prefix.md ... beside the default ones."""
+    its own; the files are then named results_sub{n}.md, results_prefix.md ... beside the default ones.
+    dtype (a DTYPES name) is what the report's own decoding runs in; the stages' predictions keep their own."""
     run = Path(run)
     (run / "report").mkdir(parents=True, exist_ok=True)
     test, sid_of = data.load_split(data_dir, "test")
     tok = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
     sfx = ("" if sub_block is None else f"_sub{sub_block}") + ("" if commit is None else f"_{commit}")
-    t1 = table1(run, test, sid_of, tok, device, sub_block, commit)
-    t1b = table1b(run, test[:tau_n] if tau_n else test, sid_of, tok, 0.9, device, sub_block, commit)
+    t1 = table1(run, test, sid_of, tok, device, sub_block, commit, dtype)
+    t1b = table1b(run, test[:tau_n] if tau_n else test, sid_of, tok, 0.9, device, sub_block, commit, dtype)
     final = next((s for s in ("rl", "opd", "cft") if (run / s / "stage.json").exists()), None)
     t2, ratio = [], None
     if final and (run / "sft" / "stage.json").exists():
         t2, ratios = bench_checkpoints(run / "sft", run / final, test[:bench_n], sid_of, taus, batch_sizes, device,
-                                       sub_blocks=None if sub_block is None else [sub_block], commit=commit)
+                                       sub_blocks=None if sub_block is None else [sub_block], commit=commit, dtype=dtype)
         ratio = next(iter(ratios.values()))  # the one trained block size
         plot_frontier(t2, run / f"frontier{sfx}.png")
     plot_curves(run, run / "curves.png")
@@ -353,6 +355,7 @@ def main(argv=None):
                     help="commit thresholds for the speed table's diffusion rows")
     ap.add_argument("--tau-n", type=int, default=200, help="test examples for the tau = 0.9 ladder (0 = all)")
     ap.add_argument("--device", default="cpu", help="torch device for the decoding the report does")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help=DTYPE_HELP + "; for the decoding the report does")
     ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
     ap.add_argument("--context", choices=list(CONTEXTS), default="causal", help="the context rule --masks-figure draws (a report draws its final model's)")
     ap.add_argument("--paired", nargs=2, default=None, metavar=("A", "B"),
@@ -368,7 +371,7 @@ def main(argv=None):
         paired(*args.paired, args.data)
     elif args.report:
         report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tuple(args.taus), tau_n=args.tau_n, device=args.device,
-               sub_block=args.sub_block, commit=args.commit)
+               sub_block=args.sub_block, commit=args.commit, dtype=resolve_dtype(args.dtype, args.device))
     else:
         ap.error("choose --report, --paired or --masks-figure")
 

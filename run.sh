@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-SOURCE=synthetic RAW="" OUT="" QUICK=0 SUB=0 COMMIT="" DEVICE=cpu CFT_EPOCHS="" CONTEXT=causal
+SOURCE=synthetic RAW="" OUT="" QUICK=0 SUB=0 COMMIT="" DEVICE=cpu DTYPE="" CFT_EPOCHS="" CONTEXT=causal
 while [ $# -gt 0 ]; do
   case "$1" in
     --data) SOURCE="$2"; shift 2 ;;
@@ -26,6 +26,7 @@ while [ $# -gt 0 ]; do
     --sub-block) SUB="$2"; shift 2 ;;
     --commit) COMMIT="$2"; shift 2 ;;        # cft.py --commit (its default: prefix-joint)
     --device) DEVICE="$2"; shift 2 ;;          # every stage and the report (cpu, cuda, cuda:1, ...)
+    --dtype) DTYPE="$2"; shift 2 ;;            # every stage and the report (default: each script's auto)
     --cft-epochs) CFT_EPOCHS="$2"; shift 2 ;;  # CFT's passes over the traces (cft.py's default: 1000 steps, 2.2 epochs)
     --context) CONTEXT="$2"; shift 2 ;;        # cft.py --context: causal (default, with the AR loss) or block
     -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
@@ -71,7 +72,7 @@ if [ ! -f "$DATA/stats.json" ]; then
   echo "== data: python data.py --source $SOURCE --out $DATA $DATA_ARGS"
   python data.py --source "$SOURCE" --out "$DATA" $DATA_ARGS
 fi
-D="--data $DATA --device $DEVICE"
+D="--data $DATA --device $DEVICE${DTYPE:+ --dtype $DTYPE}"
 stage sft   python sft.py $D --out "$OUT/sft" $SFT
 DEC="--sub-block $SUB --context $CONTEXT${COMMIT:+ --commit $COMMIT}"  # opd and rl inherit all three from cft
 stage naive python cft.py $D --init "$OUT/sft" --out "$OUT/naive" --epochs 0 --tau-n 100 $DEC

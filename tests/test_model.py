@@ -1,4 +1,5 @@
 """model.py: masks, the training layout, token shift, losses and checkpoints on tiny random models."""
+import argparse
 import pytest
 import torch
 
@@ -244,6 +245,21 @@ def test_bf16_mixed_keeps_float32_weights_and_computes_in_bfloat16():
     assert approx.dtype == torch.float32 and 0 < (approx - exact).abs().max() < 0.1  # bf16 rounding, nothing worse
 
 
+def test_dtype_auto_is_bf16_mixed_only_where_the_cpu_computes_bfloat16_natively(monkeypatch):
+    from model import resolve_dtype, start
+    assert resolve_dtype("float32") == "float32" and resolve_dtype("bfloat16", "cuda") == "bfloat16"  # explicit wins
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert resolve_dtype("auto", "cpu") == "float32"  # emulated bfloat16 would be slower
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert resolve_dtype("auto", "cpu") == "bf16-mixed"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_dtype("auto", "cuda") == "float32"
+    args = argparse.Namespace(dtype="auto", device="cpu", threads=0)
+    start(args)  # every stage resolves before it prints its config and saves vars(args) in stage.json
+    assert args.dtype == "bf16-mixed"
+
+
 def test_the_qwen3_preset_has_the_shape_of_the_model_card():
     """Qwen/Qwen3-0.6B's card: 28 layers, 16 query / 8 KV heads, 0.44B parameters besides the embedding."""
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -279,7 +295,7 @@ def test_a_stage_starts_without_the_results_of_an_earlier_run(tmp_path, fresh):
     (out / "last").mkdir(parents=True)
     for name in ("metrics.json", "predictions.jsonl", "predictions_tau0.9.jsonl", "log.jsonl", "model.safetensors"):
         (out / name).write_text("{}")
-    setup(Namespace(out=str(out), fresh=fresh, threads=0))
+    setup(Namespace(out=str(out), fresh=fresh, threads=0, dtype="float32", device="cpu"))
     # metrics and answers describe a finished checkpoint: gone, so run.sh and the report cannot take them for this
     # run's; the log, the weights and (unless --fresh) OUT/last stay for resuming
     assert sorted(p.name for p in out.iterdir()) == sorted(["log.jsonl", "model.safetensors"] + ([] if fresh else ["last"]))
