@@ -260,13 +260,14 @@ def paired(path_a, path_b, data_dir):
 
 
 def report(run, data_dir, bench_n=200, batch_sizes=(1, 16), taus=SPEED_TAUS, tau_n=200, device="cpu", sub_block=None,
-           commit=None, dtype="float32"):
+           commit=None, dtype="auto"):
     """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and plots.
 
     sub_block / commit (not None) decode every diffusion stage with that sub-block / commit rule instead of
     its own; the files are then named results_sub{n}.md, results_prefix.md ... beside the default ones.
-    dtype (a DTYPES name) is what the report's own decoding runs in; the stages' predictions keep their own."""
-    run = Path(run)
+    dtype (--dtype: auto or a DTYPES name) is what the report's own decoding runs in; the stages' predictions keep
+    their own."""
+    run, dtype = Path(run), resolve_dtype(dtype, device)
     (run / "report").mkdir(parents=True, exist_ok=True)
     test, sid_of = data.load_split(data_dir, "test")
     tok = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
@@ -284,7 +285,7 @@ def report(run, data_dir, bench_n=200, batch_sizes=(1, 16), taus=SPEED_TAUS, tau
     plot_masks(run / "masks.png", context_of(AutoConfig.from_pretrained(run / final)) if final else "causal")
     stats = json.loads((Path(data_dir) / "stats.json").read_text())
     result = {"data": str(data_dir), "n_test": len(test), "table1": t1, "table1b_tau0.9": t1b, "table2": t2, "forward_cost_ratio": ratio,
-              "final_diffusion": final, "data_stats": stats}
+              "dtype": dtype, "final_diffusion": final, "data_stats": stats}
     write_atomic(run / f"results{sfx}.json", json.dumps(result, indent=2))
     lines = [f"# Diffusion-GR2 results: {data_dir} (test n = {len(test)})", "",
              "## Table 1: the stage ladder (tau = 1.0; AR greedy), 95% bootstrap intervals", "",
@@ -371,7 +372,7 @@ def main(argv=None):
         paired(*args.paired, args.data)
     elif args.report:
         report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tuple(args.taus), tau_n=args.tau_n, device=args.device,
-               sub_block=args.sub_block, commit=args.commit, dtype=resolve_dtype(args.dtype, args.device))
+               sub_block=args.sub_block, commit=args.commit, dtype=args.dtype)
     else:
         ap.error("choose --report, --paired or --masks-figure")
 

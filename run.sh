@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole Diffusion-GR2 recipe in one command: data -> AR re-ranker -> naive conversion -> CFT -> OPD -> RL -> report.
 #
-#   bash run.sh                                    # synthetic default on a CPU (105-137 min on 2-core hosts: README, Results)
+#   bash run.sh                                    # synthetic default on a CPU (91 min on a 2-core AVX512-BF16 host,
+#                                                   # bf16-mixed; 105-137 min in float32: README, Results)
 #   bash run.sh --quick                            # every stage for a few steps: the mechanics only (4-8 min)
 #   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # ~100 min, cut short
 #   bash run.sh --sub-block 8 --out out-sb8         # decode in sub-blocks of 8 (Fast-dLLM v2), OPD and RL too
@@ -29,7 +30,7 @@ while [ $# -gt 0 ]; do
     --dtype) DTYPE="$2"; shift 2 ;;            # every stage and the report (default: each script's auto)
     --cft-epochs) CFT_EPOCHS="$2"; shift 2 ;;  # CFT's passes over the traces (cft.py's default: 1000 steps, 2.2 epochs)
     --context) CONTEXT="$2"; shift 2 ;;        # cft.py --context: causal (default, with the AR loss) or block
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -67,10 +67,12 @@ def check_outputs(d, out, with_report=True):
         config = json.loads((out / stage / "config.json").read_text())
         assert config.get("diffusion_context") == {"sft": None}.get(stage, "causal"), stage  # the default, inherited
         assert model_lib.context_of(AutoConfig.from_pretrained(out / stage)) == {"sft": "block"}.get(stage, "causal")
+        assert stage_info["args"]["dtype"] == model_lib.resolve_dtype("auto", "cpu"), stage  # resolved, never "auto"
     if not with_report:
         return
     res = json.loads((out / "results.json").read_text())
     assert [r["name"] for r in res["table1"]][:2] == ["retriever floor", "AR re-ranker (GR2)"] and len(res["table1"]) == 6
+    assert res["dtype"] == model_lib.resolve_dtype("auto", "cpu")  # the report decodes in the stages' default dtype
     assert {"decoder", "tau", "batch", "recall@1", "valid_rate", "tokens_per_s", "tokens_per_forward", "speedup"} <= set(res["table2"][0])
     assert [(r["sub_block"], r["commit"]) for r in res["table2"] if r["decoder"] == "diffusion"] == [(4, "prefix")] * 2
     ladder = res["table1b_tau0.9"]  # floor, AR, CFT, OPD, RL, paired on the same examples at tau = 0.9
