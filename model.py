@@ -81,8 +81,8 @@ def compute(model):
 
 def resolve_dtype(dtype, device="cpu"):
     """A concrete DTYPES name for --dtype: "auto" becomes bf16-mixed where bfloat16 matmuls run natively. On a
-    2-core AVX512-BF16 CPU that made a tiny-model training step 20-40% faster (README, Results); on a CPU without
-    it bfloat16 is emulated and slower, so such a CPU (most laptops) keeps float32."""
+    2-core AVX512-BF16 CPU that made a tiny-model training step 20-40% faster (README, Results); a CPU without
+    native bfloat16 (most laptops) keeps float32, the safe choice where bf16 would only be converted (not measured)."""
     if dtype != "auto":
         return dtype
     device = torch.device(device)

@@ -3,7 +3,7 @@
 #
 #   bash run.sh                                    # synthetic default on a CPU (91 min on a 2-core AVX512-BF16 host,
 #                                                   # bf16-mixed; 105-137 min in float32: README, Results)
-#   bash run.sh --quick                            # every stage for a few steps: the mechanics only (4-8 min)
+#   bash run.sh --quick                            # every stage for a few steps: the mechanics only (4-8 min; 3.7 in bf16)
 #   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # ~100 min, cut short
 #   bash run.sh --sub-block 8 --out out-sb8         # decode in sub-blocks of 8 (Fast-dLLM v2), OPD and RL too
 #   bash run.sh --commit prefix --out out-px        # commit only confident runs from the leftmost mask (OPD and RL

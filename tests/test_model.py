@@ -250,7 +250,7 @@ def test_dtype_auto_is_bf16_mixed_only_where_the_cpu_computes_bfloat16_natively(
     assert resolve_dtype("float32") == "float32" and resolve_dtype("bfloat16", "cuda") == "bfloat16"  # explicit wins
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
-    assert resolve_dtype("auto", "cpu") == "float32"  # emulated bfloat16 would be slower
+    assert resolve_dtype("auto", "cpu") == "float32"  # no native bfloat16: float32
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
     assert resolve_dtype("auto", "cpu") == "bf16-mixed"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
