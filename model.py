@@ -81,7 +81,7 @@ def compute(model):
 
 def resolve_dtype(dtype, device="cpu"):
     """A concrete DTYPES name for --dtype: "auto" becomes bf16-mixed where bfloat16 matmuls run natively. On a
-    2-core AVX512-BF16 CPU that made a tiny-model training step 20-40% faster (README, Results); a CPU without
+    2-core AVX512-BF16 CPU that took 12-38% off a tiny-model training step (README, Results); a CPU without
     native bfloat16 (most laptops) keeps float32, the safe choice where bf16 would only be converted (not measured)."""
     if dtype != "auto":
         return dtype

@@ -56,8 +56,8 @@ def parse_args(argv=None):
     ap.add_argument("--kl-n", type=int, default=100, help="test prompts for the KL-to-teacher figure")
     # assumption: lr 1e-4 with warm-up and cosine, sized for 80 steps of 4 prompts on the tiny model (the paper: 1e-6
     # constant, ~1.5k steps of 128 prompts at 8B scale; the README's Qwen3-0.6B preset passes --lr 1e-6). A 40-step
-    # cosine skips the 12.5 CPU minutes of steps 41-80 but ended less valid: 0.840 against 0.900 at tau 0.9
-    # (docs/stage-notes.md, the run at 2dd6242)
+    # cosine skips the 12.5 float32 CPU minutes of steps 41-80 (about 8 in bf16-mixed) but ended less valid: 0.840
+    # against 0.900 at tau 0.9 (docs/stage-notes.md, the run at 2dd6242)
     add_common_args(ap, token_weights=False, steps=80, batch_size=0, lr=1e-4, warmup=5, eval_every=40, val_n=200)
     args = ap.parse_args(argv)
     if min(args.group, args.prompts_per_step) < 1:
