@@ -49,7 +49,6 @@ else
   OUT="${OUT:-out}"; DATA_ARGS=""; SFT=""; CFT=""; OPD=""; RL=""; REPORT=""
 fi
 [ -n "$RAW" ] && DATA_ARGS="$DATA_ARGS --raw $RAW"
-[ -n "$CFT_EPOCHS" ] && CFT="$CFT --epochs $CFT_EPOCHS"  # last on the line: it wins over a preset's --epochs
 if [ "$SOURCE" = beauty ] && [ "$QUICK" = 0 ]; then
   # Amazon Beauty cut to fit a 2-core CPU (about 100 minutes): its vocabulary is 10x the synthetic one and its
   # traces longer, so a step costs ~2x more. A seeded 500-example test subset; every stage much shorter
@@ -57,6 +56,7 @@ if [ "$SOURCE" = beauty ] && [ "$QUICK" = 0 ]; then
   DATA_ARGS="$DATA_ARGS --max-eval 500"; SFT="--steps 1300 --eval-every 250"; CFT="--steps 200 --eval-every 100 --val-n 50 --tau-n 100"
   OPD="--steps 20 --eval-every 10"; RL="--steps 15 --eval-every 5 --prompts-per-step 4"
 fi
+[ -n "$CFT_EPOCHS" ] && CFT="$CFT --epochs $CFT_EPOCHS"  # after the presets, last on the line: --epochs wins over their --steps and --epochs
 
 stage() {  # stage NAME COMMAND...: run unless NAME already finished
   local name="$1"; shift

@@ -345,3 +345,22 @@ def test_pack_bench_times_every_layout(word_run):
     med = bench.main(["--ckpt", str(out / "cft"), "--data", str(d), "--batch-size", "2", "--rounds", "1"])
     assert {"packed: one row, two noisy copies", "a row per copy", "pack 1", "pack 4"} <= set(med)
     assert all(t > 0 for t in med.values())
+
+
+def test_run_sh_passes_each_flag_to_its_stage_and_cft_epochs_wins_over_a_preset(tmp_path):
+    """run.sh with a stand-in `python` that only logs its arguments: the commands it would run, in order."""
+    import os
+    import subprocess
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}"}
+    out = tmp_path / "out"
+    subprocess.run(["bash", str(ROOT / "run.sh"), "--data", "beauty", "--raw", "RAW", "--out", str(out),
+                    "--cft-epochs", "7", "--dtype", "float32"], check=True, env=env, capture_output=True)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c.split()[0] for c in calls] == ["data.py", "sft.py", "cft.py", "cft.py", "opd.py", "rl.py", "eval.py"]
+    cft_call = calls[3].split()
+    assert cft_call[-2:] == ["--epochs", "7"] and "--steps" in cft_call  # after the Beauty preset's --steps 200
+    assert all("--dtype float32" in c for c in calls[1:]) and "--raw RAW" in calls[0]
