@@ -295,7 +295,8 @@ def add_decoder_args(ap):  # [diffusion]
     ap.add_argument("--commit", choices=COMMIT_RULES, default=None,
                     help=COMMIT_HELP + "; default: the parent checkpoint's")
     ap.add_argument("--rollout-commit", choices=COMMIT_RULES, default="any",  # assumption: the paper's rule; OPD on
-                    # prefix-joint rollouts lifted tau 0.9 less than on these (README, Stage 2)
+                    # prefix-joint rollouts lifted tau 0.9 less than on these (README, Stage 2); RL's held-out reward
+                    # moved by noise with either rule (README, Stage 3)
                     help="commit rule of the training rollouts only; validation, test and the saved checkpoint use --commit")
 
 
