@@ -16,9 +16,11 @@ No constrained decoder anywhere: the valid permutations must come from the model
 real block-diffusion decoder at tau = 1.0 and tau = 0.9, with the commit rule saved in the checkpoint:
 by default `prefix-joint` (left to right from the leftmost mask while the product of the committed
 confidences stays >= tau, decode.py), which every later stage inherits; `--commit any` is the paper's
-rule. `--noise-shape suffix` trains on just the canvases the prefix rules decode from: the last t * B
-positions of each block masked. By default finished tokens stay causal, as the AR parent computed them
-(`--context causal`, NBDiff; model.py), and CFT adds the AR loss on the clean copy x_0, read from the same
+rule. The prefix rules only ever decode from a block whose committed tokens are a prefix and whose masks
+are the rest, a canvas random masks rarely draw: `--noise-shape suffix` masks every block that way (its
+last t * B positions), `--noise-shape mixed` half of them (`--suffix-frac`); measured, neither clearly beat
+random masks (README, Stage 1). By default finished tokens stay causal, as the AR parent computed them (`--context
+causal`, NBDiff; model.py), and CFT adds the AR loss on the clean copy x_0, read from the same
 forward: L = L_CFT + w_AR L_AR (`--ar-weight`, 1.0); `--context block` is METHOD.md's BD3-LM layout,
 without the AR loss. Validation is sparse (it decodes); OUT/last is refreshed every `--save-every` steps.
 
@@ -59,9 +61,12 @@ def parse_args(argv=None):
     ap.add_argument("--t-max", type=float, default=0.98, help="highest noise level")
     ap.add_argument("--noise-per", choices=["block", "sequence"], default="block",
                     help="one noise level per block (BD3-LM, Fast-dLLM v2) or per response (assumption: block)")
-    ap.add_argument("--noise-shape", choices=["random", "suffix"], default="random",  # [diffusion] assumption: random
+    ap.add_argument("--noise-shape", choices=["random", "suffix", "mixed"], default="random",  # [diffusion] assumption: random
                     help="which tokens of a block a noise level t masks: each with probability t (random, the paper's "
-                         "masked diffusion) or the last t * block (suffix: the canvases the prefix commit rule decodes from)")
+                         "masked diffusion), the last t * block (suffix: the canvases the prefix commit rules decode from), "
+                         "or per block one of the two (mixed, suffix with probability --suffix-frac)")
+    ap.add_argument("--suffix-frac", type=float, default=0.5,  # [diffusion] assumption: half, with --noise-shape mixed
+                    help="with --noise-shape mixed: the share of blocks masked as a suffix")
     ap.add_argument("--inv-t", action="store_true", help="weight each target by 1/t (assumption: off, as Fast-dLLM v2)")
     ap.add_argument("--no-complementary", action="store_true",
                     help="do not also train each row with the inverted mask (assumption: complementary masks on)")
@@ -81,6 +86,8 @@ def parse_args(argv=None):
     # steps (2.2 epochs; the paper trains 3): what fits the stage's 45 minutes on a 2-core CPU (README, Stage 1).
     # A validation decodes 2 x 100 examples (about 1.5 minutes there); it never changes the training (the noise is per step)
     args = ap.parse_args(argv)
+    if not 0 <= args.suffix_frac <= 1:
+        ap.error(f"--suffix-frac is a share of blocks, between 0 and 1, got {args.suffix_frac}")
     if not 0 <= args.sub_block <= args.block:
         ap.error(f"--sub-block must be between 0 (off) and --block {args.block}, got {args.sub_block}")
     if args.ar_weight is None:
@@ -142,7 +149,8 @@ def main(argv=None):
         loss, n_scored = diffusion_loss(model, batch, args.block, tok.mask_token_id, tok.eos_token_id,  # [diffusion]
                                         args.lambda_r, args.lambda_o, (args.t_min, args.t_max), args.noise_per,
                                         args.inv_t, not args.no_complementary, pad_id=tok.pad_token_id, generator=noise,
-                                        noise_shape=args.noise_shape, ar_weight=args.ar_weight)
+                                        noise_shape=args.noise_shape, ar_weight=args.ar_weight,
+                                        suffix_frac=args.suffix_frac)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -452,31 +452,42 @@ def suffix_mask(t, block):  # [diffusion]
     return torch.arange(t.shape[1])[None] % block >= block - k
 
 
-def sample_noise(lengths, block, t_range=(1e-3, 1.0), per="block", generator=None, shape="random"):  # [diffusion]
-    """(masked, t): which response tokens are masked, and the noise level t ~ U(t_range) of each token's block/row.
+def sample_noise(lengths, block, t_range=(1e-3, 1.0), per="block", generator=None, shape="random",
+                 suffix_frac=0.5):  # [diffusion]
+    """(masked, t, suffix): which response tokens are masked, the noise level t ~ U(t_range) of each token's
+    block/row, and which tokens lie in a suffix-shaped block (all (B, R)).
 
     shape "random" masks each token with probability t; "suffix" masks the last t * block positions of each
-    block: the only canvases the prefix commit rule of decode.py ever shows the model."""
+    block: the only canvases the prefix commit rules of decode.py ever show the model; "mixed" makes each
+    block suffix-shaped with probability `suffix_frac` and random otherwise."""
     Rmax = max(lengths)
     nblk = math.ceil(Rmax / block)
+    per_block = lambda x: x.repeat_interleave(block, 1)[:, :Rmax]  # (B, nblk) -> (B, Rmax)
     if per == "block":
-        t = torch.rand(len(lengths), nblk, generator=generator).repeat_interleave(block, 1)[:, :Rmax]
+        t = per_block(torch.rand(len(lengths), nblk, generator=generator))
     else:  # one level for the whole response
         t = torch.rand(len(lengths), 1, generator=generator).expand(len(lengths), Rmax)
     t = t_range[0] + (t_range[1] - t_range[0]) * t
-    masked = suffix_mask(t, block) if shape == "suffix" else torch.rand(len(lengths), Rmax, generator=generator) < t
+    if shape == "suffix":
+        masked, suffix = suffix_mask(t, block), torch.ones(len(lengths), Rmax, dtype=torch.bool)
+    else:
+        masked = torch.rand(len(lengths), Rmax, generator=generator) < t
+        suffix = torch.zeros(len(lengths), Rmax, dtype=torch.bool)
+    if shape == "mixed":  # a coin per block, drawn after the random masks (so suffix_frac 0 is exactly "random")
+        suffix = per_block(torch.rand(len(lengths), nblk, generator=generator) < suffix_frac)
+        masked = torch.where(suffix, suffix_mask(t, block), masked)
     real = torch.arange(Rmax)[None] < torch.tensor(lengths)[:, None]
-    return masked & real, t
+    return masked & real, t, suffix
 
 
 def diffusion_loss(model, batch, block, mask_id, eos_id, lam_r=0.5, lam_o=1.0, t_range=(1e-3, 1.0), noise_per="block",
                    inv_t=False, complementary=True, masked=None, pad_id=0, generator=None, noise_shape="random",
-                   ar_weight=0.0):  # [diffusion]
+                   ar_weight=0.0, suffix_frac=0.5):  # [diffusion]
     """Masked-diffusion loss of the module docstring on a batch (same dict as ar_loss), plus ar_weight x the AR loss.
 
-    `masked` (B, Rmax) fixes the noise (tests); otherwise it is sampled (`noise_shape`: sample_noise). With
-    complementary=True each response is also trained with the inverted mask, so every response token is a
-    target once per pair; for suffix noise the second copy masks the suffix of the other length, (1 - t) * block.
+    `masked` (B, Rmax) fixes the noise (tests); otherwise it is sampled (`noise_shape`, `suffix_frac`: sample_noise).
+    With complementary=True each response is also trained with the inverted mask, so every response token is a
+    target once per pair; a suffix-shaped block's second copy masks the suffix of the other length, (1 - t) * block.
     The two noisy copies share one row, [prompt | x_t | x_t' | x_0] (module docstring): the same loss as one
     row per copy, with the prompt and x_0 computed once. Returns (loss, number of scored tokens).
     ar_weight > 0 (NBDiff's AR guidance) adds ar_loss, read from the same forward: under the causal context
@@ -488,14 +499,14 @@ def diffusion_loss(model, batch, block, mask_id, eos_id, lam_r=0.5, lam_o=1.0, t
     responses = [pad_to_block(r, block, eos_id) for r in batch["response_ids"]]
     lengths = [len(r) for r in responses]
     if masked is None:
-        masked, t = sample_noise(lengths, block, t_range, noise_per, generator, noise_shape)
+        masked, t, suffix = sample_noise(lengths, block, t_range, noise_per, generator, noise_shape, suffix_frac)
     else:
-        t = torch.ones(masked.shape)
+        t, suffix = torch.ones(masked.shape), torch.full(masked.shape, noise_shape == "suffix")
     real = torch.arange(masked.shape[1])[None] < torch.tensor(lengths)[:, None]
     copies = [(masked & real, t)]  # (which tokens are masked, their noise level); prompt and padding never are
     if complementary:
         t2 = (1 - t).clamp_min(t_range[0])
-        other = suffix_mask(t2, block) if noise_shape == "suffix" else ~masked  # a suffix stays a suffix
+        other = torch.where(suffix, suffix_mask(t2, block), ~masked)  # a suffix stays a suffix
         copies.append((other & real, t2))
     noisy = [[[mask_id if m[i, j] else tok for j, tok in enumerate(r)] for i, r in enumerate(responses)] for m, _ in copies]
     rows = build_rows(batch["prompt_ids"], responses, block, noisy=noisy, pad_id=pad_id)

@@ -49,7 +49,7 @@ def main(argv=None):
 
     batch = collate([train[i] for i in batch_indices(0, len(train), args.batch_size, 0)])
     lengths = [len(pad_to_block(r, block, eos_id)) for r in batch["response_ids"]]
-    masked, _ = sample_noise(lengths, block, (0.02, 0.98), generator=torch.Generator().manual_seed(0))
+    masked, _, _ = sample_noise(lengths, block, (0.02, 0.98), generator=torch.Generator().manual_seed(0))
     real = torch.arange(masked.shape[1])[None] < torch.tensor(lengths)[:, None]
     loss = lambda m, complementary: diffusion_loss(model, batch, block, mask_id, eos_id, masked=m, pad_id=pad_id,
                                                     complementary=complementary)[0]

@@ -177,7 +177,8 @@ def test_complementary_loss_in_one_row_equals_the_two_rows_of_its_masks():
 
 def test_suffix_noise_masks_the_end_of_every_block_and_its_pair_the_other_end():
     lengths, block = [8, 12, 5], 4
-    masked, t = sample_noise(lengths, block, (0.02, 0.98), generator=torch.Generator().manual_seed(0), shape="suffix")
+    masked, t, suffix = sample_noise(lengths, block, (0.02, 0.98), generator=torch.Generator().manual_seed(0), shape="suffix")
+    assert suffix.all()
     other = suffix_mask(1 - t, block)
     for i, n in enumerate(lengths):
         for lo in range(0, n, block):
@@ -188,6 +189,23 @@ def test_suffix_noise_masks_the_end_of_every_block_and_its_pair_the_other_end():
                 assert k == max(1, round(float(t[i, lo]) * block))  # of the sampled length
                 assert abs(k + int(other[i, lo:lo + block].sum()) - block) <= 1  # the pair's lengths add up to a block
         assert not masked[i, n:].any()  # padding beyond the response is never masked
+
+
+def test_mixed_noise_makes_each_block_a_suffix_or_the_random_draw():
+    lengths, block = [8, 12, 5], 4
+    draw = lambda shape, frac=0.5: sample_noise(lengths, block, (0.02, 0.98), generator=torch.Generator().manual_seed(3),
+                                                shape=shape, suffix_frac=frac)
+    random_masked, t, _ = draw("random")
+    assert torch.equal(draw("mixed", 0.0)[0], random_masked)  # the same draws: mixed only adds a coin per block
+    suffix_masked, _, suffix = draw("mixed", 1.0)
+    real = torch.arange(12)[None] < torch.tensor(lengths)[:, None]
+    assert suffix.all() and torch.equal(suffix_masked, suffix_mask(t, block) & real)
+    masked, _, suffix = draw("mixed", 0.5)
+    assert 0 < suffix[real].float().mean() < 1  # both kinds occur in this draw
+    assert torch.equal(masked, torch.where(suffix, suffix_masked, random_masked))  # block by block, one or the other
+    for i, n in enumerate(lengths):  # the coin is per block: a block is wholly one kind
+        for lo in range(0, n, block):
+            assert len(set(suffix[i, lo:min(lo + block, n)].tolist())) == 1
 
 
 def test_diffusion_loss_prompt_tokens_are_never_targets():

@@ -9,7 +9,7 @@ from opd import opd_loss, opd_losses
 from rl import clipped_loss, group_advantages, policy_update, rollout_logprobs
 
 
-@pytest.mark.parametrize("noise_shape", ["random", "suffix"])
+@pytest.mark.parametrize("noise_shape", ["random", "suffix", "mixed"])
 def test_cft_loss_goes_down_on_a_tiny_model(noise_shape):
     model = tiny()
     model.train()
@@ -167,3 +167,11 @@ def test_cft_refuses_an_ar_loss_on_a_block_context(capsys):
         cft.parse_args(["--context", "block", "--ar-weight", "0.5"])
     assert cft.parse_args(["--context", "block"]).ar_weight == 0.0 and cft.parse_args([]).ar_weight == 1.0
     assert "--ar-weight needs --context causal" in capsys.readouterr().err
+
+
+def test_cft_refuses_a_suffix_share_outside_zero_to_one(capsys):
+    import cft
+    with pytest.raises(SystemExit):
+        cft.parse_args(["--noise-shape", "mixed", "--suffix-frac", "1.5"])
+    assert "--suffix-frac is a share of blocks, between 0 and 1, got 1.5" in capsys.readouterr().err
+    assert cft.parse_args(["--noise-shape", "mixed", "--suffix-frac", "1"]).suffix_frac == 1.0
