@@ -19,8 +19,8 @@ confidences stays >= tau, decode.py), which every later stage inherits; `--commi
 rule. The prefix rules only ever decode from a block whose committed tokens are a prefix and whose masks
 are the rest, a canvas random masks rarely draw: `--noise-shape suffix` masks every block that way (its
 last t * B positions), `--noise-shape mixed` half of them (`--suffix-frac`); measured, neither clearly beat
-random masks (README, Stage 1). By default finished tokens stay causal, as the AR parent computed them (`--context
-causal`, NBDiff; model.py), and CFT adds the AR loss on the clean copy x_0, read from the same
+random masks (README, Stage 1). By default finished tokens stay causal, as the AR parent computed them
+(`--context causal`, NBDiff; model.py), and CFT adds the AR loss on the clean copy x_0, read from the same
 forward: L = L_CFT + w_AR L_AR (`--ar-weight`, 1.0); `--context block` is METHOD.md's BD3-LM layout,
 without the AR loss. Validation is sparse (it decodes); OUT/last is refreshed every `--save-every` steps.
 

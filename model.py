@@ -485,7 +485,8 @@ def diffusion_loss(model, batch, block, mask_id, eos_id, lam_r=0.5, lam_o=1.0, t
                    ar_weight=0.0, suffix_frac=0.5):  # [diffusion]
     """Masked-diffusion loss of the module docstring on a batch (same dict as ar_loss), plus ar_weight x the AR loss.
 
-    `masked` (B, Rmax) fixes the noise (tests); otherwise it is sampled (`noise_shape`, `suffix_frac`: sample_noise).
+    `masked` (B, Rmax) fixes the noise (tests; its blocks count as suffixes only for noise_shape "suffix");
+    otherwise it is sampled (`noise_shape`, `suffix_frac`: sample_noise).
     With complementary=True each response is also trained with the inverted mask, so every response token is a
     target once per pair; a suffix-shaped block's second copy masks the suffix of the other length, (1 - t) * block.
     The two noisy copies share one row, [prompt | x_t | x_t' | x_0] (module docstring): the same loss as one
