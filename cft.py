@@ -21,7 +21,7 @@ are the rest, a canvas random masks rarely draw: `--noise-shape suffix` masks ev
 last t * B positions), `--noise-shape mixed` half of them (`--suffix-frac`); measured, neither clearly beat
 random masks (README, Stage 1). By default finished tokens stay causal, as the AR parent computed them
 (`--context causal`, NBDiff; model.py), and CFT adds the AR loss on the clean copy x_0, read from the same
-forward: L = L_CFT + w_AR L_AR (`--ar-weight`, 1.0); `--context block` is METHOD.md's BD3-LM layout,
+forward: L = L_CFT + w_AR L_AR (`--ar-weight`, 2.0); `--context block` is METHOD.md's BD3-LM layout,
 without the AR loss. Validation is sparse (it decodes); OUT/last is refreshed every `--save-every` steps.
 
     python cft.py --data data/synthetic --init out/sft --out out/naive --epochs 0    # the naive row
@@ -77,9 +77,9 @@ def parse_args(argv=None):
                     # than METHOD.md's block (README, CFT section)
                     help="how finished response tokens attend to each other: " +
                          "; ".join(f"{k}: {v}" for k, v in CONTEXTS.items()) + "; saved with the model")
-    ap.add_argument("--ar-weight", type=float, default=None,  # [diffusion] assumption: 1.0 (NBDiff adds one; README, Stage 1)
+    ap.add_argument("--ar-weight", type=float, default=None,  # [diffusion] assumption: 2.0 (NBDiff adds one; 2.0 measured best, README, Stage 1)
                     help="weight of an AR loss on the clean copy x_0, read from the same forward; needs --context causal "
-                         "(default: 1.0 with --context causal, 0 with block)")
+                         "(default: 2.0 with --context causal, 0 with block)")
     ap.add_argument("--save-every", type=int, default=50,
                     help="refresh OUT/last (what an interrupted run resumes from) every this many steps between validations")
     add_common_args(ap, steps=1000, batch_size=16, lr=7e-4, warmup=50, eval_every=500, val_n=100)  # assumption: 1000
@@ -91,7 +91,7 @@ def parse_args(argv=None):
     if not 0 <= args.sub_block <= args.block:
         ap.error(f"--sub-block must be between 0 (off) and --block {args.block}, got {args.sub_block}")
     if args.ar_weight is None:
-        args.ar_weight = 1.0 if args.context == "causal" else 0.0
+        args.ar_weight = 2.0 if args.context == "causal" else 0.0
     if args.ar_weight and args.context != "causal":
         ap.error("--ar-weight needs --context causal (under block context x_0 sees its whole block)")
     return args

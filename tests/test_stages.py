@@ -165,7 +165,7 @@ def test_cft_refuses_an_ar_loss_on_a_block_context(capsys):
     import cft
     with pytest.raises(SystemExit):
         cft.parse_args(["--context", "block", "--ar-weight", "0.5"])
-    assert cft.parse_args(["--context", "block"]).ar_weight == 0.0 and cft.parse_args([]).ar_weight == 1.0
+    assert cft.parse_args(["--context", "block"]).ar_weight == 0.0 and cft.parse_args([]).ar_weight == 2.0
     assert "--ar-weight needs --context causal" in capsys.readouterr().err
 
 
