@@ -349,6 +349,25 @@ def test_pack_bench_times_every_layout(word_run):
     assert all(t > 0 for t in med.values())
 
 
+def test_first_error_departures_are_committed_beside_the_leftmost_mask(word_run):
+    """docs/first_error.py: under a prefix rule a step's leftmost commit reads the logits tau = 1.0 read, so every
+    departure from the tau = 1.0 answer is a token committed with masks to its left (tau 0.001: whole sub-blocks per step)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("first_error", ROOT / "docs" / "first_error.py")
+    first_error = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(first_error)
+    d, out = word_run
+    res = first_error.main(["--ckpt", str(out / "cft"), "--data", str(d), "--tau", "0.001", "--n", "4", "--batch-size", "1", "--commit", "prefix",
+                            "--dtype", "float32", "--quiet"])
+    assert res["invalid"] > 0 and res["departures"] > 0
+    assert 0 not in res["left_of_it"] and all(size >= 2 for size in res["step_size"])
+    assert sum(res["kind"].values()) == sum(res["left_of_it"].values()) == res["departures"]
+    assert res["departures"] + res["same_as_tau1"] == res["invalid"]
+    assert first_error.token_kind("<b_17>") == "SID code 2" and first_error.token_kind("c10") == "candidate number"
+    with pytest.raises(SystemExit):  # the reference decode is tau = 1.0 itself
+        first_error.main(["--ckpt", str(out / "cft"), "--data", str(d), "--tau", "1.0"])
+
+
 def test_run_sh_passes_each_flag_to_its_stage_and_cft_epochs_wins_over_a_preset(tmp_path):
     """run.sh with a stand-in `python` that only logs its arguments: the commands it would run, in order."""
     stub = tmp_path / "bin" / "python"
