@@ -18,12 +18,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import data  # noqa: E402
 import eval as metrics  # noqa: E402
-from decode import COMMIT_RULES, diffusion_generate, inherited_decoder  # noqa: E402
+from decode import COMMIT_RULES, diffusion_generate, inherited_decoder, pick  # noqa: E402
 from model import DTYPES, load_checkpoint, resolve_dtype  # noqa: E402
 
 
@@ -44,14 +42,12 @@ def decode_with_steps(model, tok, prompts, block, tau, max_new, dec, batch_size)
         part, log = prompts[lo:lo + batch_size], {}
 
         def on_step(b, s, canvas, chosen, logits):
-            conf = torch.softmax(logits.float(), -1).max(-1).values  # (B, block): what the rule compared with tau
-            log[b, s] = (chosen.cpu(), conf.cpu())
+            log[b, s] = (chosen.cpu(), pick(logits.float(), 0.0, None)[1].cpu())  # (B, block): what the rule compared with tau
 
         rolls.append(diffusion_generate(model, part, block, tau, max_new, tok.mask_token_id, tok.eos_token_id,
                                         tok.pad_token_id, on_step=on_step, **dec))
         steps_of += [{key: (c[i].nonzero()[:, 0].tolist(), p[i]) for key, (c, p) in log.items()} for i in range(len(part))]
-    merged = [(t, s) for r in rolls for t, s in zip(r.tokens, r.steps)]
-    return [t for t, _ in merged], [s for _, s in merged], steps_of
+    return [t for r in rolls for t in r.tokens], [s for r in rolls for s in r.steps], steps_of
 
 
 def main(argv=None):

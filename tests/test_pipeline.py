@@ -351,14 +351,15 @@ def test_pack_bench_times_every_layout(word_run):
 
 def test_first_error_departures_are_committed_beside_the_leftmost_mask(word_run):
     """docs/first_error.py: under a prefix rule a step's leftmost commit reads the logits tau = 1.0 read, so every
-    departure from the tau = 1.0 answer is a token committed with masks to its left (tau 0.001: whole sub-blocks per step)."""
+    departure from the tau = 1.0 answer is a token committed with masks to its left (tau 0.001: whole
+    sub-blocks per step)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("first_error", ROOT / "docs" / "first_error.py")
     first_error = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(first_error)
     d, out = word_run
-    res = first_error.main(["--ckpt", str(out / "cft"), "--data", str(d), "--tau", "0.001", "--n", "4", "--batch-size", "1", "--commit", "prefix",
-                            "--dtype", "float32", "--quiet"])
+    res = first_error.main(["--ckpt", str(out / "cft"), "--data", str(d), "--tau", "0.001", "--n", "4", "--batch-size", "1",
+                            "--commit", "prefix", "--dtype", "float32", "--quiet"])
     assert res["invalid"] > 0 and res["departures"] > 0
     assert 0 not in res["left_of_it"] and all(size >= 2 for size in res["step_size"])
     assert sum(res["kind"].values()) == sum(res["left_of_it"].values()) == res["departures"]
