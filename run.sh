@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The whole Diffusion-GR2 recipe in one command: data -> AR re-ranker -> naive conversion -> CFT -> OPD -> RL -> report.
 #
-#   bash run.sh                                    # synthetic default on a CPU (91-126 min on 2-core AVX512-BF16 hosts,
-#                                                   # bf16-mixed; 105-137 min in float32: README, Results)
+#   bash run.sh                                    # synthetic default on a CPU (about 180 min on a slow 2-core
+#                                                   # AVX512-BF16 host, bf16-mixed, 65 of them RL's 40 steps: README)
 #   bash run.sh --quick                            # every stage for a few steps: the mechanics only (4-8 min; 3.7 in bf16)
 #   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # ~100 min, cut short
 #   bash run.sh --sub-block 8 --out out-sb8         # decode in sub-blocks of 8 (Fast-dLLM v2), OPD and RL too
 #   bash run.sh --commit prefix --out out-px        # commit only confident runs from the leftmost mask (OPD and RL
-#                                                   # validate and test so; their rollouts keep the paper's rule)
+#                                                   # validate and test so; OPD's rollouts keep the paper's rule)
 #   bash run.sh --context block --commit prefix --cft-epochs 7 --device cuda --out out-gpu   # one GPU: the longer
 #                                                   # CFT that met the targets (README: Trained longer on a GPU)
 #   bash run.sh --context block                     # METHOD.md's block context, no AR loss (117 min on a faster host)
@@ -54,7 +54,7 @@ if [ "$SOURCE" = beauty ] && [ "$QUICK" = 0 ]; then
   # traces longer, so a step costs ~2x more. A seeded 500-example test subset; every stage much shorter
   # than the synthetic default (under-trained: see the README). With a GPU, give each stage more steps.
   DATA_ARGS="$DATA_ARGS --max-eval 500"; SFT="--steps 1300 --eval-every 250"; CFT="--steps 200 --eval-every 100 --val-n 50 --tau-n 100"
-  OPD="--steps 20 --eval-every 10"; RL="--steps 15 --eval-every 5 --prompts-per-step 4"
+  OPD="--steps 20 --eval-every 10"; RL="--steps 15 --eval-every 5 --prompts-per-step 4 --rollout-commit any"  # as measured
 fi
 [ -n "$CFT_EPOCHS" ] && CFT="$CFT --epochs $CFT_EPOCHS"  # after the presets, last on the line: --epochs wins over their --steps and --epochs
 

@@ -9,6 +9,11 @@
 #
 #   LIMIT=465 bash docs/gpu_cft_sweep.sh             # round 1: six recipes, 355 s
 #   ROUND=2 LIMIT=290 bash docs/gpu_cft_sweep.sh     # round 2: four around round 1's best, stopped at 290 s
+#   ROUND=3 LIMIT=470 bash docs/gpu_cft_sweep.sh     # round 3 (gpu/opd too: the same run's out/opd): six CFT
+#                                                    # recipes and two 40-step rl.py runs, 472 s
+#
+# Round 4 was three more 40-step rl.py runs with prefix-joint rollouts at once (`--seed 1`, `--seed 2`,
+# `--lr 1e-4`; 245 s), the rlrun lines below run by hand with `timeout 270`.
 #
 # Each writes out-sweep/<recipe>/ and out-sweep/logs/<recipe>.log, and into $OUT summary.json (every recipe in
 # out-sweep), logs.tgz and the checkpoints (without last/), two to a tar. The recipes share the GPU (2 CPU
@@ -35,6 +40,22 @@ recipe batch8 --batch-size 8 --steps $((2 * ${STEPS:-1000})) ${EXTRA:-} &
 recipe one-copy --no-complementary --steps $((2 * ${STEPS:-1000})) ${EXTRA:-} &
 recipe lambda-o2 --lambda-o 2.0 ${EXTRA:-} &
 recipe batch8-lambda-o2 --batch-size 8 --steps $((2 * ${STEPS:-1000})) --lambda-o 2.0 ${EXTRA:-} &
+elif [ "${ROUND:-1}" = 3 ]; then  # round 3: seeds of 2000 x 8, smaller steps, one copy at the default's CPU cost; RL longer
+recipe batch8-seed1 --batch-size 8 --steps $((2 * ${STEPS:-1000})) --seed 1 ${EXTRA:-} &
+recipe batch8-seed2 --batch-size 8 --steps $((2 * ${STEPS:-1000})) --seed 2 ${EXTRA:-} &
+recipe batch8-lr5e-4 --batch-size 8 --steps $((2 * ${STEPS:-1000})) --lr 5e-4 ${EXTRA:-} &
+recipe batch5 --batch-size 5 --steps $((16 * ${STEPS:-1000} / 5)) ${EXTRA:-} &
+recipe one-copy-batch8 --no-complementary --batch-size 8 --steps $((3 * ${STEPS:-1000})) ${EXTRA:-} &
+recipe one-copy-1400 --no-complementary --steps $((14 * ${STEPS:-1000} / 10)) ${EXTRA:-} &
+# RL from the default chain's OPD (gpu/opd), eight times the default's five steps: does the held-out reward move?
+rlrun() {  # rlrun NAME [rl.py flags...]
+  local name=$1; shift
+  timeout "$LIMIT" python3 rl.py --data "$DATA" --init "${RL_INIT:-gpu/opd}" --out "out-sweep/$name" --device "$DEVICE" \
+    --threads 2 --steps ${RL_STEPS:-40} --eval-every $((${RL_STEPS:-40} / 4)) "$@" > "$LOGS/$name.log" 2>&1
+  echo "$name: exit $? after $SECONDS s"
+}
+rlrun rl-any ${RL_EXTRA:-} &
+rlrun rl-prefix-joint --rollout-commit prefix-joint ${RL_EXTRA:-} &
 else  # round 2: around the best of round 1 (one noisy copy, twice the steps)
 recipe one-copy-seed1 --no-complementary --steps $((2 * ${STEPS:-1000})) --seed 1 ${EXTRA:-} &
 recipe one-copy-lambda-o2 --no-complementary --steps $((2 * ${STEPS:-1000})) --lambda-o 2.0 ${EXTRA:-} &
@@ -50,9 +71,10 @@ for run in sorted(p for p in Path("out-sweep").iterdir() if p.name != "logs"):
     log = [json.loads(line) for line in open(run / "log.jsonl")] if (run / "log.jsonl").exists() else []
     test = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").exists() else None
     rows[run.name] = {"val": [r for r in log if "val_valid_rate" in r], "test": test}
-    print(f"{run.name:18s}", " | ".join(f"step {r['step']}: {r['minutes']:.1f} min valid {r['val_valid_rate']:.3f} "
+    print(f"{run.name:18s}", " | ".join(f"step {r['step']}: {r['minutes']:.1f} min "
+          + (f"reward {r['val_reward']:.4f} " if "val_reward" in r else "") + f"valid {r['val_valid_rate']:.3f} "
           f"R@1 {r['val_recall1']:.3f} / 0.9: {r['val_valid_rate_0.9']:.3f} tok {r['val_tokens_per_forward_0.9']:.2f}"
-          for r in rows[run.name]["val"] if r["step"]))
+          for r in rows[run.name]["val"] if r["step"] or "val_reward" in r))
     if test:
         t9 = test["by_tau"]["0.9"]
         print(f"{'':18s} test: tau=1.0 R@1 {test['recall@1']:.3f} valid {test['valid_rate']:.3f} | tau=0.9 R@1 "

@@ -238,8 +238,8 @@ def test_qwen3_tokenizer_pipeline(tmp_path):
     assert tok.mask_token_id == 151669 and len(tok) > 151669
 
 
-@pytest.mark.parametrize("stage", ["opd", "rl"])
-def test_rollouts_use_the_rollout_rule_and_the_checkpoint_keeps_its_own(word_run, tmp_path, monkeypatch, stage):
+@pytest.mark.parametrize("stage,given", [("opd", True), ("rl", True), ("opd", False), ("rl", False)])
+def test_rollouts_use_the_rollout_rule_and_the_checkpoint_keeps_its_own(word_run, tmp_path, monkeypatch, stage, given):
     d, out = word_run
     script = {"opd": opd, "rl": rl}[stage]
     seen = []  # (tau, commit) of every decode the stage makes
@@ -251,12 +251,14 @@ def test_rollouts_use_the_rollout_rule_and_the_checkpoint_keeps_its_own(word_run
     generate = script.generate
     monkeypatch.setattr(script, "generate", recording)
     args = ["--data", str(d), "--val-n", "2", "--eval-batch", "4", "--steps", "1", "--prompts-per-step", "1",
-            "--group", "2", "--test-n", "2", "--tau", "0.7", "--rollout-commit", "joint", "--out", str(tmp_path / stage)]
+            "--group", "2", "--test-n", "2", "--tau", "0.7", "--out", str(tmp_path / stage)] + ["--rollout-commit", "joint"] * given
     parent = out / ("cft" if stage == "opd" else "opd")
     script.main(args + ["--init", str(parent)] + (["--teacher", str(out / "sft"), "--kl-n", "2"] if stage == "opd" else []))
-    assert ("0.7", "joint") in {(str(t), c) for t, c in seen}  # the training rollouts
     own = json.loads((parent / "stage.json").read_text())["commit"]
-    assert json.loads((tmp_path / stage / "stage.json").read_text())["commit"] == own != "joint"
+    # the training rollouts: the rule given, else OPD's the paper's `any` and RL's the checkpoint's own (on-policy)
+    rollout_rule = "joint" if given else {"opd": "any", "rl": own}[stage]
+    assert {(str(t), c) for t, c in seen if t != 1.0} == {("0.7", rollout_rule)}
+    assert json.loads((tmp_path / stage / "stage.json").read_text())["commit"] == own not in ("joint", "any")
 
 
 def test_opd_from_a_parent_without_test_answers_skips_only_the_teacher_agreement(word_run, tmp_path):
@@ -295,7 +297,10 @@ def test_help_ends_every_flag_with_its_default(script, capsys):
     assert "(default: None)" not in text and "(default: False)" not in text  # unset flags and switches say nothing
     assert re.search(r"--seed SEED|--index INDEX|--report", text)  # the flags are there at all
     if script is rl:
-        assert "--steps STEPS optimizer steps (default: 5)" in text
+        assert "--steps STEPS optimizer steps (default: 40)" in text
+        assert re.search(r"--rollout-commit \{[a-z,-]+\} commit rule of the training rollouts [^(]*; default: the --commit rule", text)
+    if script is opd:  # OPD keeps the paper's rule for its rollouts; only RL's default differs
+        assert re.search(r"--rollout-commit \{[a-z,-]+\} commit rule of the training rollouts .*?\(default: any\)", text)
         assert re.search(r"--fresh ignore OUT/last and start over(?! \(default)", text)
     if script is data:
         assert re.search(r"--users USERS [^-]*\(default: 8000\)", text)
