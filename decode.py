@@ -289,15 +289,13 @@ def replay_chunks(model, prompts, canvases, steps, block, mask_id, keep, pad_id=
 
 
 def add_decoder_args(ap, rollout_commit="any"):  # [diffusion]
-    """--sub-block and --commit of a stage that starts from a diffusion checkpoint (None: inherit the parent's), and
-    the commit rule of its training rollouts (OPD: the paper's `any`; RL: None, the --commit rule)."""
+    """--sub-block, --commit (None: the parent checkpoint's) and --rollout-commit (OPD: `any`; RL: None, --commit's)."""
     ap.add_argument("--sub-block", type=int, default=None,
                     help="decode with sub-blocks of this size (0 = commit anywhere in the block; default: the parent checkpoint's)")
     ap.add_argument("--commit", choices=COMMIT_RULES, default=None,
                     help=COMMIT_HELP + "; default: the parent checkpoint's")
-    ap.add_argument("--rollout-commit", choices=COMMIT_RULES, default=rollout_commit,  # assumption: OPD, the paper's
-                    # rule (prefix-joint rollouts lifted tau 0.9 less: README, Stage 2); RL, the rule it is tested with
-                    # (40 steps of `any` lowered the held-out reward, of prefix-joint raised it: README, Stage 3)
+    ap.add_argument("--rollout-commit", choices=COMMIT_RULES, default=rollout_commit,  # assumption: OPD, the paper's rule
+                    # (prefix-joint helped it less: README, Stage 2); RL, its tested rule (`any` lowered its reward: Stage 3)
                     help="commit rule of the training rollouts only; validation, test and the saved checkpoint use --commit"
                     + ("" if rollout_commit else "; default: the --commit rule, on-policy"))
 

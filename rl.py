@@ -1,8 +1,8 @@
 """
 Stage 3: RL against the re-ranking reward -- trajectory-replay GRPO on the block-diffusion policy.
 
-For each training prompt the policy decodes G rollouts with the real block-diffusion decoder
-(by default with the rule it is validated and tested with, the checkpoint's: prefix-joint; `--rollout-commit`). Each gets
+For each training prompt the policy decodes G rollouts with the real block-diffusion decoder, by default
+with the rule it is validated and tested with (the checkpoint's, prefix-joint; `--rollout-commit`). Each gets
 GR2's reward (eval.rerank_reward): the target's rank promotion over the retriever, (r_before - r_after)/N,
 plus 0.2 only if that is positive or the target stays first, and -1 for an invalid answer. Advantages
 are z-scores inside each prompt's group; a group whose rewards are all equal teaches nothing and is
@@ -58,8 +58,9 @@ def parse_args(argv=None):
     ap.add_argument("--trained-only", action="store_true",  # assumption: off, the starting weights compete
                     help="keep the best of RL's own checkpoints even when the starting weights had a higher held-out reward")
     # assumption: 40 steps (5,120 rollouts; 65 CPU minutes with the test on a slow host). With prefix-joint rollouts
-    # the held-out reward often dips at step 10 and ends above the start at step 40 in five runs of five (README, Stage 3);
-    # --steps 5 with the paper's rule (the default until then, 10 minutes) kept OPD's weights. Validate every 10: the reward moves slowly.
+    # the held-out reward often dips at step 10 and ends above the start at step 40 in five runs of five (README,
+    # Stage 3); --steps 5 with the paper's rule (the default until then, 10 minutes) kept OPD's weights. Validated
+    # every 10 steps: the reward moves slowly.
     # assumption: lr 5e-5, sized for a handful of steps on the tiny model (the paper: 5e-7 for 600 steps at 8B scale;
     # the README's Qwen3-0.6B preset passes --lr 5e-7)
     add_common_args(ap, token_weights=False, steps=40, batch_size=0, lr=5e-5, warmup=2, eval_every=10, val_n=200)

@@ -390,5 +390,5 @@ def test_run_sh_passes_each_flag_to_its_stage_and_cft_epochs_wins_over_a_preset(
         assert calls[0].startswith("data.py") and "--raw RAW" in calls.pop(0)
     assert [c.split()[0] for c in calls] == ["sft.py", "cft.py", "cft.py", "opd.py", "rl.py", "eval.py"]
     cft_call = calls[2].split()
-    assert cft_call[-2:] == ["--epochs", "7"] and "--steps" in cft_call  # after the Beauty preset's --steps 200
+    assert cft_call[-4:] == ["--batch-size", "16", "--epochs", "7"] and "--steps" in cft_call  # after the Beauty preset's --steps 200
     assert all("--dtype float32" in c for c in calls)
