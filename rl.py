@@ -58,7 +58,7 @@ def parse_args(argv=None):
     ap.add_argument("--trained-only", action="store_true",  # assumption: off, the starting weights compete
                     help="keep the best of RL's own checkpoints even when the starting weights had a higher held-out reward")
     # assumption: 40 steps (5,120 rollouts; 65 CPU minutes with the test on a slow host). With prefix-joint rollouts
-    # the held-out reward often dips at step 10 and ends above the start at step 40 in five runs of five (README,
+    # the held-out reward often dips at step 10 and ends above the start at step 40 in six runs of six (README,
     # Stage 3); --steps 5 with the paper's rule (the default until then, 10 minutes) kept OPD's weights. Validated
     # every 10 steps: the reward moves slowly.
     # assumption: lr 5e-5, sized for a handful of steps on the tiny model (the paper: 5e-7 for 600 steps at 8B scale;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole Diffusion-GR2 recipe in one command: data -> AR re-ranker -> naive conversion -> CFT -> OPD -> RL -> report.
 #
-#   bash run.sh                                    # synthetic default on a CPU (about 180 min on a slow 2-core
+#   bash run.sh                                    # synthetic default on a CPU (about 173 min on a 2-core
 #                                                   # AVX512-BF16 host, bf16-mixed, 65 of them RL's 40 steps: README)
 #   bash run.sh --quick                            # every stage for a few steps: the mechanics only (4-8 min; 3.7 in bf16)
 #   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # ~100 min, cut short
