@@ -30,7 +30,8 @@ DATA=${DATA:-gpu/data/synthetic}; INIT=${INIT:-gpu/sft}; DEVICE=${DEVICE:-cuda}
 recipe() {  # recipe NAME [cft.py flags...]
   local name=$1; shift
   timeout "$LIMIT" python3 cft.py --data "$DATA" --init "$INIT" --out "out-sweep/$name" --device "$DEVICE" \
-    --threads 2 --val-n 200 "$@" > "$LOGS/$name.log" 2>&1
+    --threads 2 --val-n 200 --batch-size 16 --steps "${STEPS:-1000}" "$@" > "$LOGS/$name.log" 2>&1  # the default
+    # it ran against (1000 x 16; cft.py's default is now 3200 x 5, the batch5 recipe): a recipe's flags come after
   echo "$name: exit $? after $SECONDS s"
 }
 if [ "${ROUND:-1}" = 1 ]; then

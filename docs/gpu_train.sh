@@ -25,7 +25,7 @@ fi
 case "${1:-train}" in
   train)
     timeout 270 python3 cft.py --data data/synthetic --init gpu/sft --out out-gpu/cft --device cuda --dtype float32 \
-      --epochs 8 --eval-every 447 > "$OUT/cft.log" 2>&1
+      --epochs 8 --batch-size 16 --eval-every 447 > "$OUT/cft.log" 2>&1
     timeout 225 python3 opd.py --data data/synthetic --init out-gpu/cft --teacher gpu/sft --out out-gpu/opd \
       --device cuda --dtype float32 --commit prefix --prompts-per-step 16 --steps 80 > "$OUT/opd.log" 2>&1 ;;
   opd2)
