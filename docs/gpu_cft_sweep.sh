@@ -29,9 +29,10 @@ fi
 DATA=${DATA:-gpu/data/synthetic}; INIT=${INIT:-gpu/sft}; DEVICE=${DEVICE:-cuda}
 recipe() {  # recipe NAME [cft.py flags...]
   local name=$1; shift
+  # "default" is the one these rounds ran against, 1000 x 16 (cft.py's is now 3200 x 5, the batch5 recipe);
+  # a recipe's own flags come after it and win
   timeout "$LIMIT" python3 cft.py --data "$DATA" --init "$INIT" --out "out-sweep/$name" --device "$DEVICE" \
-    --threads 2 --val-n 200 --batch-size 16 --steps "${STEPS:-1000}" "$@" > "$LOGS/$name.log" 2>&1  # the default
-    # it ran against (1000 x 16; cft.py's default is now 3200 x 5, the batch5 recipe): a recipe's flags come after
+    --threads 2 --val-n 200 --batch-size 16 --steps "${STEPS:-1000}" "$@" > "$LOGS/$name.log" 2>&1
   echo "$name: exit $? after $SECONDS s"
 }
 if [ "${ROUND:-1}" = 1 ]; then
