@@ -27,36 +27,74 @@ class DataError(ValueError):
     """Bad input: the message names the file (and line) and what is wrong with it."""
 
 
-def _read_jsonl(path, required):
-    """[(line number, row)] of a JSON-lines file, blank lines skipped; a clear error at the first bad line."""
+def _lines(path):
+    """(line number, text) of a plain or gzipped UTF-8 file; unreadable bytes raise DataError naming the file.
+    Bytes are decoded line by line so that a bad byte is reported with its line."""
+    line_no = 0
+    try:
+        with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
+            for line_no, line in enumerate(f, 1):
+                yield line_no, line.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"{path}:{line_no}: not UTF-8 text") from None
+    except (OSError, EOFError) as e:  # missing, a folder, not gzip, truncated
+        raise DataError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _strings(v):
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# Required fields of a row: (check, what the value must be). data.py hashes the ids and iterates the lists,
+# so a value of another type would fail far from its line or, worse, silently (a string iterates as letters).
+ITEM_FIELDS = {"item": (lambda v: isinstance(v, str), "a string"), "title": (lambda v: isinstance(v, str), "a string"),
+               "categories": (lambda v: isinstance(v, list) and all(map(_strings, v)), "a list of lists of strings")}
+USER_FIELDS = {"user": (lambda v: True, "anything"), "items": (_strings, "a list of strings")}
+
+
+def _read_jsonl(path, fields, what):
+    """[(line number, row)] of a JSON-lines file, blank lines skipped; a clear error at the first bad line,
+    and when the file holds no rows at all (`what` names them: "items", "users")."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no}: malformed JSON ({e.msg})") from None
-            missing = [k for k in required if k not in row]
-            if missing:
-                raise DataError(f"{path}:{line_no}: missing field(s) {missing}")
-            rows.append((line_no, row))
+    for line_no, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{line_no}: malformed JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+        missing = [k for k in fields if k not in row]
+        if missing:
+            raise DataError(f"{path}:{line_no}: missing field(s) {missing}")
+        for k, (ok, kind) in fields.items():
+            if not ok(row[k]):
+                raise DataError(f"{path}:{line_no}: field {k!r} should be {kind}, got {json.dumps(row[k])[:60]}")
+        rows.append((line_no, row))
+    if not rows:
+        raise DataError(f"{path}: no {what} (the file is empty or blank)")
     return rows
 
 
 def read_jsonl_layout(raw):
     """items (list of dicts) and users (list of item-id lists) from `*_items.jsonl` + `*_users.jsonl`."""
+    if not Path(raw).is_dir():
+        raise DataError(f"{raw}: directory not found")
     found = {}
     for kind in ("items", "users"):
         hits = sorted(Path(raw).glob(f"*{kind}.jsonl"))
         if len(hits) != 1:
             raise DataError(f"{raw}: expected exactly one *{kind}.jsonl, found {len(hits)}")
         found[kind] = hits[0]
-    items = [row for _, row in _read_jsonl(found["items"], ("item", "title", "categories"))]
-    known = {it["item"] for it in items}
+    items, known = [], {}
+    for line_no, it in _read_jsonl(found["items"], ITEM_FIELDS, "items"):
+        if it["item"] in known:  # two rows for one id would give one item two indices
+            raise DataError(f"{found['items']}:{line_no}: item {it['item']!r} already on line {known[it['item']]}")
+        known[it["item"]] = line_no
+        items.append(it)
     users = []
-    for line_no, u in _read_jsonl(found["users"], ("user", "items")):
+    for line_no, u in _read_jsonl(found["users"], USER_FIELDS, "users"):
         for it in u["items"]:
             if it not in known:
                 raise DataError(f"{found['users']}:{line_no}: item {it!r} has no metadata in {found['items'].name}")
@@ -71,21 +109,19 @@ def read_mcauley(raw, k_core=5):
         if not p.exists():
             raise DataError(f"{p}: file not found")
     by_user = defaultdict(list)
-    with gzip.open(rev_path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            try:
-                r = json.loads(line)
-                by_user[r["reviewerID"]].append((int(r["unixReviewTime"]), r["asin"]))
-            except (json.JSONDecodeError, KeyError, ValueError) as e:
-                raise DataError(f"{rev_path}:{line_no}: malformed review ({e})") from None
+    for line_no, line in _lines(rev_path):
+        try:
+            r = json.loads(line)
+            by_user[r["reviewerID"]].append((int(r["unixReviewTime"]), r["asin"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{rev_path}:{line_no}: malformed review ({e})") from None
     meta = {}
-    with gzip.open(meta_path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            try:  # the 2014 metadata is Python-literal, not JSON; literal_eval runs no code
-                m = ast.literal_eval(line)
-                meta[m["asin"]] = m
-            except (ValueError, SyntaxError, KeyError) as e:
-                raise DataError(f"{meta_path}:{line_no}: malformed metadata ({e})") from None
+    for line_no, line in _lines(meta_path):
+        try:  # the 2014 metadata is Python-literal, not JSON; literal_eval runs no code
+            m = ast.literal_eval(line)
+            meta[m["asin"]] = m
+        except (ValueError, SyntaxError, KeyError, TypeError) as e:
+            raise DataError(f"{meta_path}:{line_no}: malformed metadata ({e})") from None
     seqs = {u: list(dict.fromkeys(a for _, a in sorted(v, key=lambda x: x[0]))) for u, v in by_user.items()}
     while True:  # k-core: a no-op on the 5-core file, needed for anything larger
         counts = Counter(a for s in seqs.values() for a in s)
@@ -95,6 +131,8 @@ def read_mcauley(raw, k_core=5):
             break
         seqs = new
     users = list(seqs.values())
+    if not users:
+        raise DataError(f"{rev_path}: no users with {k_core} or more reviewed items ({len(by_user)} users before the filter)")
     order = list(dict.fromkeys(a for s in users for a in s))
     for a in order:
         if a not in meta or not meta[a].get("title"):

@@ -219,9 +219,8 @@ def rank_by(ev, weights):
     return sorted(range(len(ev)), key=lambda p: -scores[p]), scores
 
 
-def teacher_trace(items, sid, history, cands, target, next_leaf, rng, ranking_sids=True):
-    """(reasoning, answer) of a sampled strategy that puts the target first, or None when none does.
-    ranking_sids=False writes the ranking lines as `score cK ;` and leaves the SIDs to the answer."""
+def teacher_trace(items, sid, history, cands, target, next_leaf, rng):
+    """(reasoning, answer) of a sampled strategy that puts the target first, or None when none does."""
     ev = evidence(items, history, cands, next_leaf)
     for name in rng.choice(list(STRATEGIES), size=len(STRATEGIES), replace=False, p=STRATEGY_PRIOR):
         order, scores = rank_by(ev, STRATEGIES[name])
@@ -230,8 +229,7 @@ def teacher_trace(items, sid, history, cands, target, next_leaf, rng, ranking_si
             lines = [f"last {last} -> {next_leaf.get(last, 'none')} ; strategy {name}"]
             lines += [f"c{p + 1} {brand_of(items[c])} {leaf_of(items[c])} brand{b} cat{k} next{n} top{t} = {s} ;"
                       for p, (c, (b, k, n, t), s) in enumerate(zip(cands, ev, scores))]
-            lines += ["ranking :"] + [f"{scores[p]} c{p + 1}" + (f" {sid[cands[p]]}" if ranking_sids else "") + " ;"
-                                      for p in order]
+            lines += ["ranking :"] + [f"{scores[p]} c{p + 1} {sid[cands[p]]} ;" for p in order]
             return "<think>\n" + "\n".join(lines) + "\n</think>", "\n\n[" + "".join(sid[cands[p]] for p in order) + "]"
     return None
 
@@ -299,13 +297,14 @@ def build(args, log=print):
         write_jsonl_layout(raw_items, raw_users, raw_dir, "synthetic")
         raw_items, raw_users = read_jsonl_layout(raw_dir)  # one code path for both sources
     else:
-        raw_items, raw_users = load_catalogue(args.raw)
+        raw_dir = args.raw
+        raw_items, raw_users = load_catalogue(raw_dir)
     index = {it["item"]: i for i, it in enumerate(raw_items)}
     items = raw_items
     seqs = [[index[a] for a in u] for u in raw_users]
     short = [i for i, s in enumerate(seqs) if len(s) < 3]
     if short:
-        raise DataError(f"user #{short[0] + 1} has {len(seqs[short[0]])} items: leave-one-out needs at least 3")
+        raise DataError(f"{raw_dir}: user #{short[0] + 1} has {len(seqs[short[0]])} items: leave-one-out needs at least 3")
     log(f"catalogue: {len(seqs)} users, {len(items)} items, {sum(map(len, seqs))} interactions")
 
     codes = semantic_ids(items, codebook, args.seed)
@@ -339,7 +338,7 @@ def build(args, log=print):
             reasoning, answer = "", ""
             if split == "train":
                 tried += 1
-                trace = teacher_trace(items, sid, hist, cands, target, next_leaf, rng, args.ranking == "sid")
+                trace = teacher_trace(items, sid, hist, cands, target, next_leaf, rng)
                 if trace is None:
                     continue
                 kept += 1
@@ -388,12 +387,13 @@ def build(args, log=print):
              "tokens": {"prompt_mean": float(np.mean([len(r["prompt_ids"]) for r in train])),
                         "reasoning_mean": float(np.mean([r["n_reasoning"] for r in train])),
                         "answer_mean": float(np.mean([len(r["response_ids"]) - r["n_reasoning"] for r in train]))},
-             "vocab_size": len(tok), "tokenizer": args.tokenizer, "ranking": args.ranking, "seed": args.seed}
+             "vocab_size": len(tok), "tokenizer": args.tokenizer, "seed": args.seed}
     return data, items, sid, codes, tok, stats
 
 
 def save(out, data, items, sid, codes, tok, stats, tmp):
     from datasets import Dataset, DatasetDict
+    Path(tmp).mkdir(parents=True, exist_ok=True)  # here, not before build: bad input leaves no folder behind
     DatasetDict({k: Dataset.from_list(v) for k, v in data.items()}).save_to_disk(str(Path(tmp) / "dataset"))
     tok.save_pretrained(str(Path(tmp) / "tokenizer"))
     with open(Path(tmp) / "items.jsonl", "w") as f:
@@ -437,7 +437,7 @@ def max_new_tokens(train, block=32):
 
 
 def main(argv=None):
-    from model import HelpFormatter  # the shared --help layout; imported here because building data needs no model
+    from plumbing import HelpFormatter  # the shared --help layout; imported here because only the command line needs it
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--source", choices=["synthetic", "beauty"], default="synthetic", help="which catalogue to build from")
     ap.add_argument("--raw", help="directory of the real data (JSONL layout or McAuley's 2014 .json.gz files)")
@@ -448,14 +448,11 @@ def main(argv=None):
     ap.add_argument("--codebook", type=int, default=0, help="codes per SID level (0 = 256, TIGER's size)")
     ap.add_argument("--history", type=int, default=0, help="history items shown in the prompt (0 = default: 5 synthetic, 6 beauty)")
     ap.add_argument("--max-eval", type=int, default=None, help="cap on valid/test examples, a seeded subset (default: 500 synthetic, all beauty)")
-    ap.add_argument("--ranking", choices=["sid", "index"], default="sid",  # assumption: GR2-style traces name the items
-                    help="ranking lines of the trace: 'score cK SID ;' or 'score cK ;' (the answer alone writes the SIDs)")
     ap.add_argument("--title-words", type=int, default=0, help="words of each title shown (0 = default: 3 synthetic, 5 beauty)")
     args = ap.parse_args(argv)
     if args.source == "beauty" and not args.raw:
         ap.error("--source beauty needs --raw DIR")
     out = Path(args.out or f"data/{args.source}")
-    out.parent.mkdir(parents=True, exist_ok=True)
     args.tmp = str(out.parent / f".{out.name}.tmp{os.getpid()}")
     print("config:", json.dumps({k: v for k, v in vars(args).items() if k != "tmp"}))
     try:

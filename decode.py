@@ -1,6 +1,6 @@
 """
-Decoding: KV-cached AR and block-diffusion decoding, the step map and its replay, a speed benchmark,
-and a terminal viewer of parallel denoising.
+Decoding: KV-cached AR and block-diffusion decoding, the step map and its replay, a stage's final
+test, a speed benchmark, and a terminal viewer of parallel denoising.
 
 Block diffusion (METHOD.md section 5). The prompt is prefilled into a KV cache. The response is made
 block by block, left to right. A block starts as B mask tokens; each denoising step is one forward of
@@ -11,23 +11,24 @@ being denoised), then for every masked position, with token shift,
     commit j  if  max p_j >= tau,   and always the single most confident masked position
 
 A committed token is never re-masked. tau = 1.0 commits exactly one token per forward (a float32
-softmax can return exactly 1.0, so it is a special case, not a `>=` test). Two settings, saved with a
-checkpoint, restrict which positions may commit. With sub-blocks (Fast-dLLM v2; `sub_block`, 0 = off)
-only the leftmost sub-block that still has masks may: the block is still run whole, but filled a few
-positions at a time. The commit rule (`commit`; `choose` below) is "any" (the paper's), "prefix" (the
-leftmost mask and the confident run after it: the block fills left to right, several tokens per forward
-where the model is sure, and tau = 1.0 is AR order), or "joint" / "prefix-joint" (the same two orders,
-bounding the product of a step's confidences instead of each one). When the block has no masks left
-it is run once more, as finished tokens (model.py's context rule), to write its K/V into the cache (the
-commit forward); its last logit predicts the next block's first token. A row stops as soon as its end
-token is committed with every position before it filled. Batched: left-padded prompts, each row commits its own positions.
+softmax can return exactly 1.0, so it is a special case, not a `>=` test). That is the paper's rule
+("threshold"). Beyond the paper, `--commit left-to-right` commits from the leftmost mask rightwards
+while the product of the committed confidences stays >= tau (`choose` below; the README measures
+both side by side). When the block has no masks left it is run once more, as finished tokens, to
+write its K/V into the cache (the commit forward); its last logit predicts the next block's first
+token. A row stops as soon as its end token is committed with every position before it filled;
+tokens after the end token are dropped. Batched: left-padded prompts, each row commits its own positions.
+
+Beyond the paper, `draft_verify_generate` gives exactly the AR model's greedy answer at diffusion speed:
+the diffusion model drafts a block, the AR model checks the whole draft in one forward and keeps the
+longest prefix it would have written itself, plus its own token where they first disagree.
 
 The *step map* records, for every generated token, the step of its block at which it was committed.
 `replay_rows` turns a trajectory back into the canvases it was decoded from, in the noisy+clean
 training layout of model.py; `replay_chunks` scores every token from the canvas it was committed from,
 a bounded number of canvases at a time, two to a row. OPD and RL train through exactly these two functions.
 
-    python decode.py --show --ckpt out/cft --data data/synthetic            # watch one example denoise
+    python decode.py --show --ckpt out/rl --data data/synthetic              # watch one example denoise
     python decode.py --bench --ar out/sft --diffusion out/rl --data data/synthetic --json out/bench.json
 """
 import argparse
@@ -36,18 +37,18 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 import eval as metrics
-from model import (CLEAN, NOISY, PAD, PROMPT, HelpFormatter, add_runtime_args, attention_mask, build_rows, compute,
-                   context_of, for_attention, gather_logits, hidden_states, load_checkpoint, start, target_sources)
+from model import (CLEAN, NOISY, PAD, PROMPT, attention_mask, build_rows, for_attention, gather_logits, hidden_states,
+                   target_sources, without_mask)
+from plumbing import HelpFormatter, add_runtime_args, compute, load_checkpoint, resolve_dtype, write_atomic
 
-COMMIT_RULES = ("any", "prefix", "joint", "prefix-joint")  # [diffusion] which confident positions a step may commit (docstring)
-COMMIT_HELP = ("which confident positions a decoding step commits: any (the paper's rule, METHOD.md 5), prefix "
-               "(the leftmost mask and the confident run after it, left to right), or joint / prefix-joint (the same "
-               "orders, while the product of the committed confidences stays >= tau)")
+COMMIT_RULES = ("threshold", "left-to-right")  # [diffusion] which confident positions a step commits (`choose`)
+SPEED_TAUS = (0.9, 0.6, 0.4)  # the paper's speed settings: every diffusion stage's test adds them to tau = 1.0
 
 
 @dataclass
@@ -57,11 +58,12 @@ class Rollout:
     canvas: list = None           # [diffusion] every decoded position (mask id where never committed)
     steps: list = None            # [diffusion] step of its block at which each canvas position was committed (-1: never)
     nfe: list = field(default_factory=list)  # forward passes each row took part in (prefill included)
+    counts: list = None           # draft-verify, per row: {"student", "teacher": forwards, "verifies", "corrections": rounds}
 
     def select(self, idx):
         """The rollouts at positions idx (for chunked backward passes)."""
         pick = lambda xs: None if xs is None else [xs[i] for i in idx]
-        return Rollout(pick(self.tokens), pick(self.canvas), pick(self.steps), pick(self.nfe))
+        return Rollout(pick(self.tokens), pick(self.canvas), pick(self.steps), pick(self.nfe), pick(self.counts))
 
 
 def left_pad(prompts, pad_id):
@@ -83,20 +85,26 @@ class CachedModel:
         self.keys = tuple(t[:, :0] for t in self.prompt_desc)
         self.edge = self.forward(self.prompt_ids, self.prompt_desc, keep=True)  # predicts response token 0
 
-    def forward(self, ids, desc, keep):
+    def forward(self, ids, desc, keep, every=False):
         """keep=False: logits (B, n, V) at the n positions of `ids`, the cache cropped back afterwards. keep=True:
-        they join the cache and only the last logits (B, V) come back (a prefill's P x V would be wasted)."""
+        they join the cache and only the last logits (B, V) come back (a prefill's P x V would be wasted), or
+        all n of them with every=True (a draft-verify round reads each one)."""
         keys = tuple(torch.cat([a, b], 1) for a, b in zip(self.keys, desc))
-        mask = attention_mask(desc, keys, context_of(self.model))
+        mask = attention_mask(desc, keys)
         with compute(self.model):
             h = self.model.model(input_ids=ids, attention_mask=for_attention(mask, self.model), position_ids=desc[2],
                                  cache=self.cache, use_cache=True).last_hidden_state
-            logits = self.model.lm_head(h[:, -1] if keep else h).float()
+            logits = self.model.lm_head(h[:, -1] if keep and not every else h).float()
         if keep:
             self.keys = keys
         else:
             self.cache.crop(-ids.shape[1])  # [diffusion] a denoising step only reads the cache
         return logits
+
+    def crop(self, length):
+        """Keep only the first `length` cached positions (prompt included): drops a rejected draft's K/V."""
+        self.cache.crop(length - self.keys[0].shape[1])  # transformers 5 crops by a negative count
+        self.keys = tuple(t[:, :length] for t in self.keys)
 
     def response_desc(self, start, n, block, seg=CLEAN):  # [diffusion] seg=NOISY: the block being denoised
         """Descriptors of response positions start..start+n-1: finished (CLEAN) or being denoised (NOISY)."""
@@ -109,7 +117,7 @@ class CachedModel:
         ids = torch.cat([self.prompt_ids, response], 1)
         desc = tuple(torch.cat([a, b], 1) for a, b in zip(self.prompt_desc, self.response_desc(0, response.shape[1], block)))
         desc[0][:, -block:] = NOISY  # [diffusion] the last block is the one being denoised
-        mask = for_attention(attention_mask(desc, desc, context_of(self.model)), self.model)
+        mask = for_attention(attention_mask(desc, desc), self.model)
         P = self.prompt_ids.shape[1]
         with compute(self.model):
             h = self.model.model(input_ids=ids, attention_mask=mask, position_ids=desc[2]).last_hidden_state
@@ -145,16 +153,13 @@ def ar_generate(model, prompts, max_new, eos_id, pad_id, temperature=0.0, genera
 
 @torch.no_grad()
 def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad_id, temperature=0.0,
-                       generator=None, use_cache=True, on_step=None, sub_block=0, commit="any"):  # [diffusion]
+                       generator=None, use_cache=True, on_step=None, commit="threshold"):  # [diffusion]
     """Block-diffusion decoding (module docstring). Returns a Rollout with canvas, step map and NFE.
 
     use_cache=False recomputes the whole sequence at every step (the reference the cache must match).
-    sub_block > 0 only commits inside the leftmost sub-block of that size that still has masks (Fast-dLLM
-    v2's small blocks; 0: anywhere in the block); commit picks which positions a step commits (`choose`).
+    commit picks which confident positions a step commits (`choose`).
     on_step(block, step, canvas, committed, logits) is called after every step (viewer, tests).
     """
-    if not 0 <= sub_block <= block:
-        raise ValueError(f"sub_block must be between 0 (off) and the block size {block}, got {sub_block}")
     if commit not in COMMIT_RULES:
         raise ValueError(f"commit must be one of {COMMIT_RULES}, got {commit!r}")
     B, n_blocks = len(prompts), -(-max_new // block)
@@ -164,7 +169,6 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
     steps = torch.full((B, n_blocks * block), -1, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     nfe = torch.ones(B, dtype=torch.long, device=dev)
-    cols = torch.arange(block, device=dev)  # position in the block, used at every step
     for b in range(n_blocks):
         lo, hi = b * block, (b + 1) * block
         desc, noisy = state.response_desc(lo, block, block), state.response_desc(lo, block, block, NOISY)  # [diffusion]
@@ -181,11 +185,7 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
                 nfe += masked.any(1)
             else:  # only position 0 is left (always so with block 1): no forward needed
                 pred = state.edge[:, None].expand(B, block, -1).clone()
-            pred[..., mask_id] = -float("inf")  # never emit the mask token
-            tok, conf = pick(pred, temperature, generator)
-            if sub_block:  # only the leftmost sub-block with masks may commit
-                first = masked.float().argmax(1, keepdim=True) // sub_block
-                masked = masked & (cols[None] // sub_block == first)
+            tok, conf = pick(without_mask(pred, mask_id), temperature, generator)  # never emit the mask token
             chosen = choose(torch.where(masked, conf, -1.0), masked, tau, commit)
             canvas[:, lo:hi] = torch.where(chosen, tok, canvas[:, lo:hi])
             steps[:, lo:hi] = torch.where(chosen, s, steps[:, lo:hi])
@@ -202,37 +202,83 @@ def diffusion_generate(model, prompts, block, tau, max_new, mask_id, eos_id, pad
     return Rollout(tokens=tokens, canvas=rows, steps=steps.tolist(), nfe=nfe.tolist())
 
 
+@torch.no_grad()
+def draft_verify_generate(student, teacher, prompts, block, tau, max_new, mask_id, eos_id, pad_id, commit="threshold"):
+    """Exact AR answers at diffusion speed (beyond the paper): the block-diffusion student drafts a block at
+    threshold tau, the AR teacher checks the draft in one cached forward and keeps the longest prefix equal to
+    its own greedy choices, plus its own token at the first disagreement. Greedy only: the tokens equal
+    ar_generate(teacher, ...) token for token, whatever the student; the student only sets the speed.
+
+    Rows run one at a time (the API stays batched): each row accepts its own count, and a DynamicCache crops
+    every row by the same amount. Returns a Rollout with tokens, nfe (both models) and per-row counts."""
+    if commit not in COMMIT_RULES:
+        raise ValueError(f"commit must be one of {COMMIT_RULES}, got {commit!r}")
+    out = Rollout(tokens=[], nfe=[], counts=[])
+    for prompt in prompts:
+        s, t = CachedModel(student, [prompt], pad_id), CachedModel(teacher, [prompt], pad_id)  # prefill both
+        n = {"student": 1, "teacher": 1, "verifies": 0, "corrections": 0}
+        canvas = torch.full((1, -(-max_new // block) * block), mask_id, device=student.device)
+        acc, fed, last = 0, 0, t.edge  # accepted tokens; those in the teacher's cache; the logit predicting token `fed`
+        while acc < max_new and eos_id not in canvas[0, :acc].tolist():
+            lo, hi = acc // block * block, acc // block * block + block  # blocks stay aligned at multiples of B
+            noisy = s.response_desc(lo, block, block, NOISY)  # [diffusion]
+            open_ = torch.arange(lo, hi, device=canvas.device)[None] >= acc  # an AR teacher may emit the mask id itself
+            while True:  # [diffusion] draft: denoise the undecided positions, exactly as diffusion_generate does
+                masked = (canvas[:, lo:hi] == mask_id) & open_
+                if not masked.any() or finished(canvas[:, :hi], mask_id, eos_id).item():
+                    break  # nothing after an end token with no mask before it can matter
+                if masked[:, 1:].any():
+                    logits = s.forward(canvas[:, lo:hi], noisy, keep=False)
+                    pred, n["student"] = torch.cat([s.edge[:, None], logits[:, :-1]], 1), n["student"] + 1
+                else:  # only position 0 is left: the previous block's logit predicts it
+                    pred = s.edge[:, None].expand(1, block, -1)
+                tok, conf = pick(without_mask(pred, mask_id), 0.0, None)
+                chosen = choose(torch.where(masked, conf, -1.0), masked, tau, commit)
+                canvas[:, lo:hi] = torch.where(chosen, tok, canvas[:, lo:hi])
+            draft = canvas[0, acc:hi].tolist()
+            end = min(acc + (draft.index(eos_id) + 1 if eos_id in draft else len(draft)), max_new)
+            # verify: feed the accepted-but-unfed token (if any) and the draft; logit i predicts token fed + i
+            logits = t.forward(canvas[:, fed:end].to(teacher.device), t.response_desc(fed, end - fed, 1), keep=True, every=True)
+            n["teacher"], n["verifies"] = n["teacher"] + 1, n["verifies"] + 1
+            logits = torch.cat([last[:, None], logits], 1)
+            want = pick(logits, 0.0, None)[0][0].to(canvas.device)  # the teacher's greedy tokens for fed..end
+            agree = (canvas[0, acc:end] == want[acc - fed:end - fed]).long().cumprod(0)
+            good = acc + int(agree.sum())  # the draft up to here is what the teacher itself would have written
+            if good < end:  # first disagreement: the teacher's token instead; its K/V come with the next verify
+                canvas[0, good], n["corrections"] = want[good - fed], n["corrections"] + 1
+                t.crop(t.prompt_ids.shape[1] + good)  # drop the K/V of the rejected draft tokens
+            fed, last = good, logits[:, good - fed]
+            acc = good + (good < end)
+            canvas[0, acc:hi] = mask_id  # [diffusion] rejected draft positions are drafted again
+            if acc == hi and acc < max_new and eos_id not in canvas[0, lo:hi].tolist():  # [diffusion] commit forward
+                s.edge, n["student"] = s.forward(canvas[:, lo:hi], s.response_desc(lo, block, block), keep=True), n["student"] + 1
+        row = canvas[0, :acc].tolist()
+        out.tokens.append(row[:row.index(eos_id) + 1] if eos_id in row else row)
+        out.nfe.append(n["student"] + n["teacher"])
+        out.counts.append(n)
+    return out
+
+
 def choose(conf, masked, tau, commit):  # [diffusion]
     """Which masked positions one step commits: (B, block) bool. conf (B, block) is each position's
-    confidence, -1 where it may not commit. Every rule commits at least one position per row with masks.
+    confidence, -1 where it is not masked. Both rules commit at least one position per row with masks.
 
-    any:          every position >= tau, and at least the most confident one (METHOD.md 5)
-    prefix:       the leftmost mask, then the unbroken run of positions >= tau right after it
-    joint:        most confident first, while the product of the committed confidences stays >= tau
-    prefix-joint: left to right from the leftmost mask, while that product stays >= tau
-    The joint rules bound the chance that a step commits a wrong token (if the positions were independent,
-    it is at most 1 - tau) instead of each position's own chance, so a step can no longer commit ten
-    tokens at 0.95 each that depend on one another (the mixed SIDs of the README).
+    threshold:      every position >= tau, and at least the most confident one (the paper, METHOD.md 5)
+    left-to-right:  from the leftmost mask rightwards while the product of the committed confidences
+                    stays >= tau, and at least the leftmost mask (beyond the paper)
+    The product bounds the chance that a step commits a wrong token (at most 1 - tau if the positions were
+    independent), so a step cannot commit ten tokens at 0.95 each that depend on one another.
     """
-    left_to_right = commit.startswith("prefix")
-    # the position every rule commits first: the leftmost mask, or the most confident one
-    first = masked.float().argmax(1) if left_to_right else conf.argmax(1)
-    rows = torch.arange(conf.shape[0], device=conf.device)
     if tau >= 1.0:  # one token per step (a float32 softmax can round to exactly 1.0: not a >= test)
         chosen = torch.zeros_like(masked)
-    elif commit == "any":
+    elif commit == "threshold":
         chosen = conf >= tau
-    elif commit == "prefix":  # masks are a suffix of the block here, so a run from the left is what may commit
-        sure = conf >= tau
-        sure[rows, first] = True
-        chosen = masked & ((sure | ~masked).long().cumprod(1) == 1)
-    else:  # joint, prefix-joint: a cumulative sum of log-confidences along the rule's order
+    else:  # the committed tokens are a prefix of the block, so the masks from the leftmost one on are a suffix
         log_conf = torch.where(masked, conf.clamp_min(1e-30).log(), 0.0)
-        order = (torch.arange(conf.shape[1], device=conf.device).expand_as(conf) if left_to_right
-                 else conf.argsort(dim=1, descending=True, stable=True))
-        along = log_conf.gather(1, order).cumsum(1) >= (math.log(tau) if tau > 0 else -math.inf)  # tau 0: all
-        chosen = masked & torch.zeros_like(masked).scatter(1, order, along)
-    chosen[rows, first] |= masked.any(1)
+        chosen = log_conf.cumsum(1) >= (math.log(tau) if tau > 0 else -math.inf)
+    first = conf.argmax(1) if commit == "threshold" else masked.float().argmax(1)
+    chosen = chosen & masked
+    chosen[torch.arange(conf.shape[0], device=conf.device), first] |= masked.any(1)
     return chosen
 
 
@@ -262,7 +308,7 @@ def replay_rows(canvas, steps, mask_id):  # [diffusion]
 
 
 def replay_chunks(model, prompts, canvases, steps, block, mask_id, keep, pad_id=0, max_rows=64, pack=2):  # [diffusion]
-    """Logits of every kept token from the canvas it was committed from, max_rows canvases at a time.
+    """The policy's logits (model.without_mask) of every kept token from the canvas it was committed from.
 
     keep[i]: how many leading response positions of trajectory i to score (up to its end token). Yields
     (logits (n, V), the (trajectory, position) of each logits row) per chunk: a caller that trains calls
@@ -285,58 +331,45 @@ def replay_chunks(model, prompts, canvases, steps, block, mask_id, keep, pad_id=
         # canvas by canvas (copy c of row k, position r): the order does not depend on pack or max_rows
         c, k, r = torch.tensor([(c, k, r) for k, (_, cs) in enumerate(chunk) for c, (_, tg) in enumerate(cs) for r in tg]).T
         order = [(i, r) for i, cs in chunk for _, tg in cs for r in tg]
-        yield gather_logits(model, hidden_states(model, rows), (k, src[c, k, r])), order
-
-
-def add_decoder_args(ap, rollout_commit="any"):  # [diffusion]
-    """--sub-block, --commit (None: the parent checkpoint's) and --rollout-commit (OPD: `any`; RL: None, --commit's)."""
-    ap.add_argument("--sub-block", type=int, default=None,
-                    help="decode with sub-blocks of this size (0 = commit anywhere in the block; default: the parent checkpoint's)")
-    ap.add_argument("--commit", choices=COMMIT_RULES, default=None,
-                    help=COMMIT_HELP + "; default: the parent checkpoint's")
-    ap.add_argument("--rollout-commit", choices=COMMIT_RULES, default=rollout_commit,  # assumption: OPD, the paper's rule
-                    # (prefix-joint helped it less: README, Stage 2); RL, its tested rule (`any` lowered its reward: Stage 3)
-                    help="commit rule of the training rollouts only; validation, test and the saved checkpoint use --commit"
-                    + ("" if rollout_commit else "; default: the --commit rule, on-policy"))
-
-
-def inherited_decoder(parent, sub_block=None, commit=None):  # [diffusion]
-    """The decoder settings a stage uses (and saves): the parent checkpoint's, unless given (not None)."""
-    return {"sub_block": parent.get("sub_block", 0) if sub_block is None else sub_block,
-            "commit": parent.get("commit", "any") if commit is None else commit}
+        yield without_mask(gather_logits(model, hidden_states(model, rows), (k, src[c, k, r])), mask_id), order
 
 
 # ----------------------------------------------------------------------------- decode and score a split
 def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_size=32, temperature=0.0,
-             generator=None, progress=False, sub_block=0, commit="any"):
-    """Decode `prompts` in length-sorted batches; returns a Rollout in the input order and the seconds taken."""
+             generator=None, progress=False, commit="threshold", teacher=None):
+    """Decode `prompts` in length-sorted batches; returns a Rollout in the input order and the seconds taken.
+    mode: "ar", "diffusion", or "draft-verify" (`model` drafts, the AR `teacher` verifies; greedy only)."""
     from tqdm import tqdm
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     synchronize(model.device)
     parts, t0 = {}, time.perf_counter()
     batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
-    for idx in tqdm(batches, desc=f"decode {mode}" + (f" tau={tau}" if mode == "diffusion" else ""),
+    for idx in tqdm(batches, desc=f"decode {mode}" + (f" tau={tau}" if mode != "ar" else ""),
                     disable=not progress, leave=False):
         batch = [prompts[i] for i in idx]
         if mode == "ar":
             out = ar_generate(model, batch, max_new, tok.eos_token_id, tok.pad_token_id, temperature, generator)
+        elif mode == "draft-verify":
+            out = draft_verify_generate(model, teacher, batch, block, tau, max_new, tok.mask_token_id, tok.eos_token_id,
+                                        tok.pad_token_id, commit)
         else:
             out = diffusion_generate(model, batch, block, tau, max_new, tok.mask_token_id, tok.eos_token_id,
-                                     tok.pad_token_id, temperature, generator, sub_block=sub_block, commit=commit)
+                                     tok.pad_token_id, temperature, generator, commit=commit)
         for k, i in enumerate(idx):
-            parts[i] = (out.tokens[k], out.canvas[k] if out.canvas else None, out.steps[k] if out.steps else None, out.nfe[k])
+            parts[i] = (out.tokens[k], out.canvas[k] if out.canvas else None, out.steps[k] if out.steps else None, out.nfe[k],
+                        out.counts[k] if out.counts else None)
     synchronize(model.device)
     seconds = time.perf_counter() - t0
     return Rollout(*map(list, zip(*[parts[i] for i in range(len(prompts))]))), seconds  # fields in Rollout's order
 
 
 @torch.no_grad()
-def evaluate(model, tok, examples, sid, mode, block=32, tau=1.0, max_new=256, batch_size=32, progress=False, sub_block=0,
-             commit="any"):
+def evaluate(model, tok, examples, sid, mode, block=32, tau=1.0, max_new=256, batch_size=32, progress=False,
+             commit="threshold", teacher=None):
     """Decode `examples` greedily and score them: (summary dict, per-example rows, texts, rollout)."""
     model.eval()
     out, seconds = generate(model, tok, [ex["prompt_ids"] for ex in examples], mode, block, tau, max_new,
-                            batch_size, progress=progress, sub_block=sub_block, commit=commit)
+                            batch_size, progress=progress, commit=commit, teacher=teacher)
     texts = [tok.decode(t, skip_special_tokens=False) for t in out.tokens]
     rows = metrics.score_responses(texts, examples, sid)
     summary = metrics.summarize(rows)
@@ -346,16 +379,46 @@ def evaluate(model, tok, examples, sid, mode, block=32, tau=1.0, max_new=256, ba
     return summary, rows, texts, out
 
 
-def validate(model, tok, valid, sid, mode, block, max_new, batch, sub_block=0, commit="any"):
+def validate(model, tok, valid, sid, mode, block, max_new, batch):
     """The training-time check: valid rate and Recall@1 of greedy decoding (and, for diffusion, at tau = 0.9).
     Returns the numbers and the tau = 1.0 / AR responses (rl.py scores its held-out reward on them)."""
-    q, _, texts, _ = evaluate(model, tok, valid, sid, mode, block, 1.0, max_new, batch, sub_block=sub_block, commit=commit)
+    q, _, texts, _ = evaluate(model, tok, valid, sid, mode, block, 1.0, max_new, batch, progress=True)
     res = {"val_valid_rate": q["valid_rate"], "val_recall1": q["recall@1"]}
     if mode == "diffusion":
-        f, *_ = evaluate(model, tok, valid, sid, mode, block, 0.9, max_new, batch, sub_block=sub_block, commit=commit)
+        f, *_ = evaluate(model, tok, valid, sid, mode, block, 0.9, max_new, batch, progress=True)
         res.update({"val_valid_rate_0.9": f["valid_rate"], "val_recall1_0.9": f["recall@1"],
                     "val_tokens_per_forward_0.9": f["tokens_per_forward"]})
     return res, texts
+
+
+def write_predictions(path, examples, sid_of, texts, rows, roll):
+    """OUT/predictions*.jsonl: everything needed to recompute the metrics and study the errors."""
+    lines = []
+    for k, (ex, text, row) in enumerate(zip(examples, texts, rows)):
+        lines.append(json.dumps({"id": ex["id"], "candidates": [sid_of[i] for i in ex["candidates"]],
+                                 "target": sid_of[ex["target"]], "response": text, "parsed": row["parsed"],
+                                 "validity": row["validity"], "n_tokens": len(roll.tokens[k]), "nfe": roll.nfe[k]}) + "\n")
+    write_atomic(path, "".join(lines))
+
+
+def test_stage(out, model, tok, examples, sid_of, mode, block=32, max_new=256, batch_size=64, tau_n=0, extra=None):
+    """A stage's final test: greedy (AR) or tau = 1.0, plus (diffusion) the speed taus on the first tau_n examples
+    (0 = all). Writes OUT/predictions*.jsonl and then OUT/metrics.json (with `extra` merged in), which marks the
+    stage finished, and prints the table."""
+    quality, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, block, 1.0, max_new, batch_size, True)
+    write_predictions(Path(out) / "predictions.jsonl", examples, sid_of, texts, rows, roll)
+    sub, by_tau = examples[:tau_n] if tau_n else examples, {}
+    for t in (SPEED_TAUS if mode == "diffusion" else ()):  # each threshold keeps its predictions: the report pairs them
+        by_tau[t], rows, texts, roll = evaluate(model, tok, sub, sid_of, mode, block, t, max_new, batch_size, True)
+        write_predictions(Path(out) / f"predictions_tau{t}.jsonl", sub, sid_of, texts, rows, roll)
+    result = {**metrics.stage_metrics(quality, examples, by_tau), **(extra or {})}
+    write_atomic(Path(out) / "metrics.json", json.dumps(result, indent=2))
+    print(f"test (n={result['n']})   R@1     R@3     NDCG@3  valid   tok/fwd")
+    print(f"  retriever floor   {result['floor']['recall@1']:.4f}  {result['floor']['recall@3']:.4f}  {result['floor']['ndcg@3']:.4f}")
+    for label, m in [("AR greedy" if mode == "ar" else "tau=1.0", quality)] + [(f"tau={t}", m) for t, m in by_tau.items()]:
+        print(f"  {label:<16}  {m['recall@1']:.4f}  {m['recall@3']:.4f}  {m['ndcg@3']:.4f}  {m['valid_rate']:.3f}  "
+              f"{m['tokens_per_forward']:.2f}")
+    return result
 
 
 # ----------------------------------------------------------------------------- benchmark
@@ -381,62 +444,69 @@ def forward_seconds(model, prompts, sizes, repeats=20):
     return times
 
 
-def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, max_new, log=print, sub_blocks=(0,),
-          commit="any"):
-    """Decode the same prompts with AR and with block diffusion at each (block, sub-block, tau), interleaved
-    chunk by chunk so that every decoder sees the same machine load. Returns the rows of the speed table."""
-    configs = [("ar", None, None, None)] + [("diffusion", t, b, sb) for b in blocks for sb in sub_blocks for t in taus]
-    run = lambda c, prompts, bs: generate(ar_model if c[0] == "ar" else diff_model, tok, prompts, c[0], c[2] or 32,
-                                          c[1] or 1.0, max_new, bs, sub_block=c[3] or 0, commit=commit)
+def bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, block, max_new, commits=("threshold",), log=print,
+          draft_verify=True):
+    """Decode the same prompts with AR, with block diffusion at each (commit rule, tau) and (draft_verify) with the
+    diffusion model drafting for the AR model at each tau, interleaved chunk by chunk so that every decoder sees the
+    same machine load. Returns the rows of the speed table."""
+    configs = [("ar", None, None)] + [("diffusion", c, t) for c in commits for t in taus]
+    configs += [("draft-verify", "threshold", t) for t in taus] if draft_verify else []  # exact AR answers, faster
+    run = lambda c, prompts, bs: generate(ar_model if c[0] == "ar" else diff_model, tok, prompts, c[0], block,
+                                          c[2] or 1.0, max_new, bs, commit=c[1] or "threshold", teacher=ar_model)
     for c in configs:  # one untimed decode each: one-off costs (CUDA start-up, kernel choice) would land on AR, run first
         run(c, [examples[0]["prompt_ids"]], 1)
     rows = []
     for bs in batch_sizes:
-        acc = {c: {"tokens": 0, "nfe": 0, "seconds": 0.0, "texts": []} for c in configs}
-        for s in range(0, len(examples), bs):
+        acc = {c: {"tokens": 0, "nfe": 0, "seconds": 0.0, "texts": [], "ids": [], "counts": []} for c in configs}
+        chunks = range(0, len(examples), bs)
+        from tqdm import tqdm
+        for s in tqdm(chunks, desc=f"bench batch {bs}", leave=False):
             prompts = [ex["prompt_ids"] for ex in examples[s:s + bs]]
-            for c in configs:  # interleaved: AR, then every tau, on this chunk
+            for c in configs:  # interleaved: AR, then every decoder, on this chunk
                 (out, sec), a = run(c, prompts, bs), acc[c]
                 a["tokens"] += sum(map(len, out.tokens)); a["nfe"] += sum(out.nfe); a["seconds"] += sec
-                a["texts"] += [tok.decode(t) for t in out.tokens]
+                a["texts"] += [tok.decode(t) for t in out.tokens]; a["ids"] += out.tokens; a["counts"] += out.counts or []
         ar_speed = acc[configs[0]]["tokens"] / acc[configs[0]]["seconds"]
         for c in configs:
             a, q = acc[c], metrics.summarize(metrics.score_responses(acc[c]["texts"], examples, sid))
-            rows.append({"decoder": c[0], "tau": c[1], "block": c[2], "sub_block": c[3], "batch": bs, "n": len(examples),
-                         "commit": None if c[0] == "ar" else commit, "tokens_per_s": a["tokens"] / a["seconds"],
+            rows.append({"decoder": c[0], "commit": c[1], "tau": c[2], "block": None if c[0] == "ar" else block,
+                         "batch": bs, "n": len(examples), "tokens_per_s": a["tokens"] / a["seconds"],
                          "tokens_per_forward": a["tokens"] / a["nfe"], "speedup": a["tokens"] / a["seconds"] / ar_speed,
                          "valid_rate": q["valid_rate"], "recall@1": q["recall@1"], "ndcg@3": q["ndcg@3"],
                          "mean_length": a["tokens"] / len(examples)})
+            if c[0] == "draft-verify":  # exact by construction: same_as_ar checks it (float ties aside)
+                k = {key: sum(n[key] for n in a["counts"]) for key in ("student", "teacher", "verifies")}
+                rows[-1].update(same_as_ar=sum(x == y for x, y in zip(a["ids"], acc[configs[0]]["ids"])) / len(examples),
+                                tokens_per_verify=a["tokens"] / max(1, k["verifies"]), student_forwards=k["student"],
+                                teacher_forwards=k["teacher"])
             log(format_row(rows[-1]))
     return rows
 
 
-def bench_checkpoints(ar_path, diff_path, examples, sid, taus, batch_sizes, device="cpu", blocks=None, sub_blocks=None,
-                      commit=None, attn="sdpa", dtype="float32"):
-    """Load an AR and a block-diffusion checkpoint and `bench` them on `examples`, decoding with the diffusion
-    checkpoint's block size, sub-block and commit rule unless given. Returns (rows, {block: forward cost ratio})."""
-    ar_model, tok, _ = load_checkpoint(ar_path, attn, dtype)
-    diff_model, _, stage = load_checkpoint(diff_path, attn, dtype, tok)  # one tokenizer, parsed once
+def bench_checkpoints(ar_path, diff_path, examples, sid, taus, batch_sizes, device="cpu", commits=COMMIT_RULES,
+                      attn="sdpa", dtype="float32"):
+    """Load an AR and a block-diffusion checkpoint in the same dtype and `bench` them on `examples`.
+    Returns (rows, cost of one block forward over a 1-token AR step at batch 1)."""
+    ar_model, tok, _ = load_checkpoint(ar_path, attn, dtype, diffusion=False)
+    diff_model, _, stage = load_checkpoint(diff_path, attn, dtype, tok, diffusion=True)
     ar_model, diff_model = ar_model.to(device).eval(), diff_model.to(device).eval()
-    blocks = blocks or [stage["block_size"]]
-    seconds = forward_seconds(diff_model, [examples[0]["prompt_ids"]], (1, *blocks))  # against one cached prompt
-    ratio = {b: seconds[b] / seconds[1] for b in blocks}  # a B-token block forward over a 1-token AR step
-    print(f"speed: {diff_path} against {ar_path}; block size: cost of its forward over a 1-token step (batch 1) "
-          f"{ {b: round(r, 2) for b, r in ratio.items()} }")
-    dec = inherited_decoder(stage, commit=commit)
-    return bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, blocks, stage["max_new"],
-                 sub_blocks=sub_blocks or [dec["sub_block"]], commit=dec["commit"]), ratio
+    block = stage["block_size"]
+    seconds = forward_seconds(diff_model, [examples[0]["prompt_ids"]], (1, block))
+    ratio = seconds[block] / seconds[1]
+    print(f"speed ({dtype}): {diff_path} against {ar_path}; a {block}-token block forward costs {ratio:.2f}x a 1-token step")
+    return bench(ar_model, diff_model, tok, examples, sid, taus, batch_sizes, block, stage["max_new"], commits), ratio
 
 
 def format_row(r):
-    sub = (f"/{r['sub_block']}" if r.get("sub_block") else "") + (f" {r['commit']}" if r.get("commit", "any") != "any" else "")
-    name = "AR" if r["decoder"] == "ar" else f"diffusion B={r['block']}{sub} tau={r['tau']}"
-    return (f"{name:<36} batch {r['batch']:>3} | {r['tokens_per_s']:8.1f} tok/s | {r['tokens_per_forward']:5.2f} tok/fwd | "
-            f"speed-up {r['speedup']:5.2f}x | valid {r['valid_rate']:.3f} | R@1 {r['recall@1']:.3f}")
+    name = "AR" if r["decoder"] == "ar" else f"{r['decoder']} B={r['block']} {r['commit']} tau={r['tau']}"
+    extra = (f" | same as AR {r['same_as_ar']:.3f} | {r['tokens_per_verify']:.2f} tok/verify | forwards student "
+             f"{r['student_forwards']} teacher {r['teacher_forwards']}" if r["decoder"] == "draft-verify" else "")
+    return (f"{name:<40} batch {r['batch']:>3} | {r['tokens_per_s']:8.1f} tok/s | {r['tokens_per_forward']:5.2f} tok/fwd | "
+            f"speed-up {r['speedup']:5.2f}x | valid {r['valid_rate']:.3f} | R@1 {r['recall@1']:.3f}" + extra)
 
 
 # ----------------------------------------------------------------------------- viewer
-def show(model, tok, example, block, tau, max_new, sub_block=0, commit="any"):
+def show(model, tok, example, block, tau, max_new, commit="threshold"):
     """Print one example being denoised: masks as '·', new commits highlighted, steps per block."""
     tty = sys.stdout.isatty()
     new = (lambda w: f"\033[1;32m{w}\033[0m") if tty else (lambda w: f"*{w}*")
@@ -445,13 +515,14 @@ def show(model, tok, example, block, tau, max_new, sub_block=0, commit="any"):
 
     def on_step(b, s, canvas, committed, logits):  # committed: (1, block) bool, the positions this step wrote
         lo = b * block
+        ids = canvas[0, lo:].tolist()
         shown = [("·" if t == tok.mask_token_id else (new(w) if committed[0, j] else w))
-                 for j, (t, w) in enumerate(zip(canvas[0, lo:].tolist(), tok.convert_ids_to_tokens(canvas[0, lo:].tolist())))]
+                 for j, (t, w) in enumerate(zip(ids, tok.convert_ids_to_tokens(ids)))]
         print(f"block {b} step {s:2d} +{int(committed[0].sum())}: " + " ".join(shown))
         per_block[b] = s + 1
 
     out = diffusion_generate(model, [example["prompt_ids"]], block, tau, max_new, tok.mask_token_id, tok.eos_token_id,
-                             tok.pad_token_id, on_step=on_step, sub_block=sub_block, commit=commit)
+                             tok.pad_token_id, on_step=on_step, commit=commit)
     n = len(out.tokens[0])
     print(f"\n{n} tokens in {out.nfe[0]} forwards ({n / out.nfe[0]:.2f} tokens per forward); "
           f"steps per block: {[per_block[b] for b in sorted(per_block)]}")
@@ -460,41 +531,37 @@ def show(model, tok, example, block, tau, max_new, sub_block=0, commit="any"):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--bench", action="store_true", help="time AR against block diffusion on test prompts")
+    ap.add_argument("--bench", action="store_true", help="time AR against block diffusion and draft-verify on test prompts")
     ap.add_argument("--show", action="store_true", help="print one example being denoised step by step")
     ap.add_argument("--ar", default="out/sft", help="AR checkpoint (bench)")
     ap.add_argument("--diffusion", default="out/rl", help="block-diffusion checkpoint (bench)")
-    ap.add_argument("--ckpt", default="out/cft", help="block-diffusion checkpoint (show)")
+    ap.add_argument("--ckpt", default="out/rl", help="block-diffusion checkpoint (show)")
     ap.add_argument("--data", default="data/synthetic", help="folder written by data.py")
     ap.add_argument("--n", type=int, default=64, help="test examples to decode (bench)")
     ap.add_argument("--index", type=int, default=0, help="which test example to show")
-    ap.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.9, 0.6, 0.4], help="commit thresholds (bench)")
+    ap.add_argument("--taus", type=float, nargs="+", default=[1.0, *SPEED_TAUS], help="commit thresholds (bench)")
     ap.add_argument("--tau", type=float, default=0.9, help="commit threshold (show)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="decoding batch sizes (bench)")
-    ap.add_argument("--blocks", type=int, nargs="+", default=None, help="block sizes to decode with (default: the trained one)")
-    ap.add_argument("--sub-blocks", type=int, nargs="+", default=None,
-                    help="sub-block sizes to decode with: commit only inside the leftmost sub-block with masks "
-                         "(0 = anywhere in the block; default: the checkpoint's; --show uses the first)")
-    ap.add_argument("--commit", choices=COMMIT_RULES, default=None, help=COMMIT_HELP + "; default: the checkpoint's")
+    ap.add_argument("--commit", choices=COMMIT_RULES, default=None,
+                    help="commit rule: threshold (the paper's) or left-to-right (beyond the paper); bench: both by default, "
+                         "show: threshold")
     ap.add_argument("--json", default=None, help="write the benchmark rows here")
     add_runtime_args(ap)
     args = ap.parse_args(argv)
-    start(args)
+    dtype = "float32" if args.dtype == "auto" and args.bench else resolve_dtype(args.dtype, args.device)  # fair timing
     import data
     if args.show:
-        model, tok, stage = load_checkpoint(args.ckpt, args.attn, args.dtype)
+        model, tok, stage = load_checkpoint(args.ckpt, args.attn, dtype, diffusion=True)
         test, _ = data.load_split(args.data, "test", args.index + 1)
-        show(model.to(args.device).eval(), tok, test[args.index], args.blocks[0] if args.blocks else stage["block_size"],
-             args.tau, stage["max_new"], **inherited_decoder(stage, args.sub_blocks[0] if args.sub_blocks else None, args.commit))
+        show(model.to(args.device).eval(), tok, test[args.index], stage["block_size"], args.tau, stage["max_new"],
+             args.commit or "threshold")
     elif args.bench:
         test, sid = data.load_split(args.data, "test", args.n)
         rows, ratio = bench_checkpoints(args.ar, args.diffusion, test, sid, args.taus, args.batch_sizes, args.device,
-                                        args.blocks, args.sub_blocks, args.commit, args.attn, args.dtype)
-        result = {"ar": {str(r["batch"]): r for r in rows if r["decoder"] == "ar"},  # keyed by batch size
-                  "diffusion": [r for r in rows if r["decoder"] != "ar"],
-                  "forward_cost_ratio": ratio, "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads()}
+                                        [args.commit] if args.commit else COMMIT_RULES, args.attn, dtype)
         if args.json:
-            metrics.write_atomic(args.json, json.dumps(result, indent=2))
+            write_atomic(args.json, json.dumps({"rows": rows, "forward_cost_ratio": ratio, "device": args.device,
+                                                "dtype": dtype, "threads": torch.get_num_threads()}, indent=2))
     else:
         ap.error("choose --bench or --show")
 

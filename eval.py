@@ -15,19 +15,15 @@ scores exactly the retriever floor. With one relevant item (the held-out target)
 
     Recall@k = 1[r <= k]          NDCG@k = 1[r <= k] / log2(r + 1)
 
-Report mode (`python eval.py --report --run out/`) evaluates every checkpoint of a pipeline run on
-the same test examples and writes results.md / results.json; it lives in report.py.
+This module only scores text: decoding lives in decode.py, the paper's tables in report.py.
 """
 import math
-import os
 import re
-from pathlib import Path
 
 import numpy as np
 
 SID_RE = re.compile(r"<a_(\d+)>\s*<b_(\d+)>\s*<c_(\d+)>\s*<d_(\d+)>")
 KS = (1, 3, 5)
-SPEED_TAUS = (0.9, 0.6, 0.4)  # the paper's speed settings: every diffusion stage's test adds them to tau = 1.0
 METRIC_KEYS = ("recall@1", "recall@3", "ndcg@3", "recall@5", "ndcg@5")
 INVALID_KINDS = ("parse_error", "out_of_set", "duplicate", "omission")
 
@@ -73,7 +69,7 @@ def judge(text, candidates):
 
 
 INVALID_CAUSES = ("no ranking", "tie repeated", "sid mixed", "answer mis-copied", "order")
-# a ranking line of data.teacher_trace: `score cK <a_><b_><c_><d_> ;`, or `score cK ;` with --ranking index
+# a ranking line of data.teacher_trace: `score cK <a_><b_><c_><d_> ;`
 RANKING_LINE_RE = re.compile(r"(\d+)\s+c(\d+)\s*(?:" + SID_RE.pattern + r")?\s*;")
 
 
@@ -202,35 +198,7 @@ def agreement(preds, reference):
             "kendall_tau": float(np.mean(taus)) if taus else 0.0, "n": len(top1)}
 
 
-def read_jsonl(path):
-    import json
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-# ----------------------------------------------------------------------------- the stage convention
-def write_atomic(path, text):
-    """Write text to a temporary file beside `path`, then rename: a reader never sees half a file.
-    The folder is made if missing (report.stage_predictions writes into RUN/report/ when called on its own)."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def write_predictions(path, examples, sid_of, texts, rows, roll=None):
-    """OUT/predictions.jsonl: everything needed to recompute the metrics and study the errors."""
-    import json
-    lines = []
-    for k, (ex, text, row) in enumerate(zip(examples, texts, rows)):
-        rec = {"id": ex["id"], "candidates": [sid_of[i] for i in ex["candidates"]], "target": sid_of[ex["target"]],
-               "response": text, "parsed": row["parsed"], "validity": row["validity"]}
-        if roll is not None:  # the decoding cost of this response
-            rec.update(n_tokens=len(roll.tokens[k]), nfe=roll.nfe[k])
-        lines.append(json.dumps(rec) + "\n")
-    write_atomic(path, "".join(lines))
-
-
+# ----------------------------------------------------------------------------- a stage's metrics.json
 def stage_metrics(quality, examples, by_tau=None):
     """OUT/metrics.json content: quality-mode metrics at the top, the floor, and (diffusion) other taus."""
     out = {k: quality[k] for k in (*METRIC_KEYS, "valid_rate", "identity_rate", "invalid", "n")}
@@ -244,39 +212,3 @@ def stage_metrics(quality, examples, by_tau=None):
                                                     "tokens_per_s")}
                          for t, m in by_tau.items()}
     return out
-
-
-def run_test(out, model, tok, examples, sid_of, mode, block=32, max_new=256, batch_size=64, taus=(), tau_n=0, sub_block=0,
-             commit="any", write_metrics=True):
-    """Final test of a stage: quality mode (AR greedy / tau = 1.0), plus `taus` (on the first tau_n examples,
-    0 = all) for diffusion checkpoints, decoded with the checkpoint's block, sub-block and commit rule.
-
-    Writes OUT/predictions.jsonl and OUT/metrics.json (the stage convention; write_metrics=False leaves the
-    latter to a caller that adds more figures first) and prints the table.
-    """
-    import json
-    from pathlib import Path
-    from decode import evaluate  # here, not at the top: decode.py imports this module
-    quality, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, block, 1.0, max_new, batch_size, True, sub_block, commit)
-    write_predictions(Path(out) / "predictions.jsonl", examples, sid_of, texts, rows, roll)
-    sub = examples[:tau_n] if tau_n else examples
-    by_tau = {}
-    for t in taus:  # each threshold keeps its predictions too: the report pairs the stages on them
-        by_tau[t], rows, texts, roll = evaluate(model, tok, sub, sid_of, mode, block, t, max_new, batch_size, True, sub_block,
-                                                commit)
-        write_predictions(Path(out) / f"predictions_tau{t}.jsonl", sub, sid_of, texts, rows, roll)
-    result = stage_metrics(quality, examples, by_tau)
-    if write_metrics:
-        write_atomic(Path(out) / "metrics.json", json.dumps(result, indent=2))
-    name = "AR greedy" if mode == "ar" else "tau=1.0"
-    print(f"test (n={result['n']})   R@1     R@3     NDCG@3  valid   tok/fwd")
-    print(f"  retriever floor   {result['floor']['recall@1']:.4f}  {result['floor']['recall@3']:.4f}  {result['floor']['ndcg@3']:.4f}")
-    for label, m in [(name, quality)] + [(f"tau={t}", m) for t, m in by_tau.items()]:
-        print(f"  {label:<16}  {m['recall@1']:.4f}  {m['recall@3']:.4f}  {m['ndcg@3']:.4f}  {m['valid_rate']:.3f}  "
-              f"{m['tokens_per_forward']:.2f}")
-    return result
-
-
-if __name__ == "__main__":  # report mode (the paper's tables) lives in report.py
-    from report import main
-    main()

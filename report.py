@@ -1,37 +1,37 @@
 """
-Report mode of eval.py: the paper's two tables for one pipeline run, with its plots.
+The paper's two tables for one pipeline run, with its figures.
 
-`python eval.py --report --run out --data data/synthetic` (or `python report.py` with the same flags) evaluates
-every checkpoint of the run (sft, naive, cft, opd, rl) on the same test examples and writes into OUT:
+`python report.py --run out --data data/synthetic` evaluates every checkpoint of the run (sft, naive,
+cft, opd, rl) on the same test examples and writes into the run's folder:
 
     results.md / results.json   Table 1, the stage ladder at tau = 1.0 (AR greedy), 95% bootstrap intervals,
                                 paired differences to the row above, the reasoning proxy and invalid causes;
-                                Table 1b, the diffusion stages at tau = 0.9, paired on the same examples;
-                                Table 2, decoding speed of AR against the final diffusion model at tau = 0.9, 0.6, 0.4
-                                (decode.bench_checkpoints; `--taus 1.0 0.9 0.6 0.4` adds the slow tau = 1.0 rows)
+                                Table 1b, the diffusion stages at tau = 0.9, paired on the same examples, with the
+                                final model also decoded left to right (beyond the paper) beside the paper's rule;
+                                Table 2, decoding speed of AR against the final model at tau = 0.9, 0.6, 0.4, both
+                                commit rules, and draft-verify (the final model drafts, the AR model verifies: its
+                                exact greedy answers), every decoder in float32 (decode.bench_checkpoints)
     frontier.png, curves.png, masks.png   speed/accuracy frontier, training curves, the attention masks
     report/                     predictions of every decode the report had to make itself
 
-A stage's own predictions.jsonl is reused when it covers the test examples (a stage drops its predictions
-when it starts training, model.setup, so they always belong to its checkpoint), and so is an earlier report's
-decode in report/ when it is not older than the checkpoint; `--sub-block` / `--commit` re-decode every
-diffusion stage with another decoder (results_sub8.md, results_prefix.md ...). `python eval.py --paired
-A.jsonl B.jsonl --data DIR` compares any two predictions files of the same test examples (B - A, paired
-bootstrap). Scoring is eval.py's; nothing here re-implements it.
+A stage's own predictions*.jsonl are reused when they cover the test examples (a stage deletes them when
+it starts training, so they always belong to its checkpoint). `python report.py --paired A.jsonl B.jsonl
+--data DIR` compares any two predictions files of the same test examples (B - A, paired bootstrap).
+Scoring is eval.py's and decoding decode.py's; nothing here re-implements them.
 """
 import argparse
 import json
 from pathlib import Path
 
 import numpy as np
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 import data
-from decode import COMMIT_RULES, bench_checkpoints, evaluate, inherited_decoder
-from eval import (INVALID_CAUSES, METRIC_KEYS, SID_RE, SPEED_TAUS, bootstrap_ci, floor_rows, invalid_cause, paired_bootstrap,
-                  read_jsonl, score_responses, sid_str, summarize, write_atomic, write_predictions)
-from model import (CONTEXTS, DTYPE_HELP, DTYPES, NOISY, HelpFormatter, attention_mask, build_rows, context_of,
-                   load_checkpoint, resolve_dtype)
+from decode import COMMIT_RULES, SPEED_TAUS, bench_checkpoints, evaluate, write_predictions
+from eval import (INVALID_CAUSES, METRIC_KEYS, SID_RE, bootstrap_ci, floor_rows, invalid_cause, paired_bootstrap,
+                  score_responses, sid_str, summarize)
+from model import NOISY, attention_mask, build_rows
+from plumbing import DTYPE_HELP, DTYPES, HelpFormatter, load_checkpoint, read_jsonl, resolve_dtype, write_atomic
 
 STAGES = [("sft", "AR re-ranker (GR2)"), ("naive", "naive conversion"), ("cft", "+ CFT"),
           ("opd", "+ CFT + OPD"), ("rl", "+ CFT + OPD -> RL")]
@@ -52,29 +52,21 @@ def reasoning_quality(preds, examples, sid_of):
     return real / cited if cited else float("nan")
 
 
-def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu", sub_block=None, commit=None, dtype="float32"):
+def stage_predictions(run, stage, examples, sid_of, tok, tau=1.0, device="cpu", commit="threshold", dtype="float32"):
     """The stage's own predictions at `tau` when they cover `examples`, else a fresh decode (kept in run/report).
-
-    sub_block / commit (not None) decode a diffusion stage with that sub-block / commit rule instead of its own."""
+    commit="left-to-right" always decodes afresh: the stages test with the paper's rule."""
     name = "predictions.jsonl" if tau == 1.0 else f"predictions_tau{tau}.jsonl"
-    stage_json = Path(run) / stage / "stage.json"
-    st = json.loads(stage_json.read_text())
-    own_dec, dec = inherited_decoder(st), inherited_decoder(st, sub_block, commit)
-    sub_block, commit = dec["sub_block"], dec["commit"]
-    own = not st.get("block_size") or dec == own_dec
-    tag = f"sub{sub_block}" + ("" if commit == "any" else f"_{commit}")
-    fresh = Path(run) / "report" / (f"{stage}_{name}" if own else f"{stage}_{tag}_{name}")
-    for path in ((Path(run) / stage / name, fresh) if own else (fresh,)):  # the stage's own file, or an earlier report's
-        if path.exists() and (path != fresh or path.stat().st_mtime >= stage_json.stat().st_mtime):  # (module docstring)
+    fresh = Path(run) / "report" / (f"{stage}_{name}" if commit == "threshold" else f"{stage}_{commit}_{name}")
+    for path in ((Path(run) / stage / name, fresh) if commit == "threshold" else (fresh,)):
+        if path.exists() and path.stat().st_mtime >= (Path(run) / stage / "stage.json").stat().st_mtime:
             by_id = {p["id"]: p for p in read_jsonl(path)}
             if all(ex["id"] in by_id for ex in examples):  # it covers these examples (maybe more)
                 return [by_id[ex["id"]] for ex in examples]
     model, _, st = load_checkpoint(Path(run) / stage, dtype=dtype, tok=tok)
-    model.to(device)
-    mode = "ar" if not st.get("block_size") else "diffusion"
-    print(f"decoding {len(examples)} test examples with {stage} at tau = {tau} ...")
-    _, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, st.get("block_size") or 1, tau, st["max_new"], 64, True,
-                                    sub_block, commit)
+    mode = "diffusion" if st.get("block_size") else "ar"
+    print(f"decoding {len(examples)} test examples with {stage} at tau = {tau} ({commit}) ...")
+    _, rows, texts, roll = evaluate(model.to(device), tok, examples, sid_of, mode, st.get("block_size") or 1, tau,
+                                    st["max_new"], 64, True, commit)
     write_predictions(fresh, examples, sid_of, texts, rows, roll)
     return read_jsonl(fresh)
 
@@ -111,21 +103,25 @@ def ladder(entries, examples, sid_of, tok):
     return rows
 
 
-def table1(run, test, sid_of, tok, device="cpu", sub_block=None, commit=None, dtype="float32"):
+def table1(run, test, sid_of, tok, device="cpu", dtype="float32"):
     """The stage ladder at tau = 1.0 (AR greedy for the AR re-ranker)."""
     entries = [("floor", "retriever floor", None)]
-    entries += [(stage, name, stage_predictions(run, stage, test, sid_of, tok, 1.0, device, sub_block, commit, dtype))
+    entries += [(stage, name, stage_predictions(run, stage, test, sid_of, tok, 1.0, device, dtype=dtype))
                 for stage, name in STAGES if (Path(run) / stage / "stage.json").exists()]
     return ladder(entries, test, sid_of, tok)
 
 
-def table1b(run, examples, sid_of, tok, tau=0.9, device="cpu", sub_block=None, commit=None, dtype="float32"):
+def table1b(run, examples, sid_of, tok, final, tau=0.9, device="cpu", dtype="float32"):
     """The diffusion stages at a parallel threshold, paired on the same examples: does each stage keep its gains?
-    The AR re-ranker (greedy) is the reference row, so CFT's paired difference is its gap to AR."""
+    The AR re-ranker (greedy) is the reference row, so CFT's paired difference is its gap to AR. The last row
+    decodes the final model left to right (beyond the paper), paired with the same model under the paper's rule."""
     entries = [("floor", "retriever floor", None)]
     entries += [(stage, name, stage_predictions(run, stage, examples, sid_of, tok, 1.0 if stage == "sft" else tau, device,
-                                                       sub_block, commit, dtype))
-                for stage, name in STAGES if stage in ("sft", "cft", "opd", "rl") and (Path(run) / stage / "stage.json").exists()]
+                                                dtype=dtype))
+                for stage, name in STAGES if stage != "naive" and (Path(run) / stage / "stage.json").exists()]
+    if final:
+        entries.append((f"{final}-ltr", f"{dict(STAGES)[final]}, left to right",
+                        stage_predictions(run, final, examples, sid_of, tok, tau, device, "left-to-right", dtype)))
     rows = ladder(entries, examples, sid_of, tok)
     for r in rows:
         r["paper"] = {}
@@ -176,11 +172,14 @@ def plot_frontier(rows, path):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for bs in sorted({r["batch"] for r in rows}):
         sel = [r for r in rows if r["batch"] == bs]
-        diff = [r for r in sel if r["decoder"] != "ar"]
+        diff = [r for r in sel if r["decoder"] == "diffusion"]
+        exact = [r for r in sel if r["decoder"] == "draft-verify"]
         for ax, key in zip(axes, ("tokens_per_forward", "speedup")):
             ax.plot([r[key] for r in diff], [r["recall@1"] for r in diff], marker="o", label=f"diffusion, batch {bs}")
             for r in diff:
                 ax.annotate(f"tau={r['tau']}", (r[key], r["recall@1"]), fontsize=7)
+            if exact:
+                ax.scatter([r[key] for r in exact], [r["recall@1"] for r in exact], marker="s", label=f"draft-verify, batch {bs}")
             ar = [r for r in sel if r["decoder"] == "ar"][0]
             ax.scatter([ar[key]], [ar["recall@1"]], marker="*", s=120, label=f"AR, batch {bs}")
     axes[0].set_xlabel("tokens per forward")
@@ -192,21 +191,20 @@ def plot_frontier(rows, path):
     save(plt, fig, path)
 
 
-def plot_masks(path, context="causal", prompt=3, response=8, block=4):
-    """The two attention patterns under a context rule (model.CONTEXTS), drawn from model.py's own mask
-    function (rows attend to columns)."""
+def plot_masks(path, prompt=3, response=8, block=4):
+    """The two attention patterns, drawn from model.py's own mask function (rows attend to columns)."""
     plt = pyplot()
     x_t = [[3] * response]  # a noisy copy of the one row; CFT's row holds two (complementary masks)
     train = build_rows([[1] * prompt], [[2] * response], block, noisy=[x_t, x_t])
     dec = build_rows([[1] * prompt], [[2] * response], block)
     active = 1  # decoding: block 1 is being denoised; the prompt and block 0 sit in the KV cache
     dec["seg"][0, prompt + active * block:prompt + (active + 1) * block] = NOISY
-    masks = [attention_mask(*[(r["seg"], r["blk"], r["pos"])] * 2, context)[0, 0].float() for r in (train, dec)]
+    masks = [attention_mask(*[(r["seg"], r["blk"], r["pos"])] * 2)[0, 0].float() for r in (train, dec)]
     rows = slice(prompt + active * block, prompt + (active + 1) * block)
     masks[1][rows] *= 2  # the rows computed at each denoising step
     names = [["prompt"] * prompt + [f"{x} b{j // block}" for x in ("x_t", "x_t'", "x_0") for j in range(response)],
              ["prompt"] * prompt + [f"b{j // block}" + (" (active)" if j // block == active else "") for j in range(response)]]
-    titles = [f"CFT's training row [prompt | noisy x_t | its complement x_t' | clean x_0], B = {block}, {context} context",
+    titles = [f"CFT's training row [prompt | noisy x_t | its complement x_t' | clean x_0], B = {block}",
               f"decoding: block {active} denoised against the cache"]
     fig, axes = plt.subplots(1, 2, figsize=(15, 7.5), gridspec_kw={"width_ratios": [27, 11]})
     for ax, m, n, title in zip(axes, masks, names, titles):
@@ -259,34 +257,46 @@ def paired(path_a, path_b, data_dir):
     return rows
 
 
-def report(run, data_dir, bench_n=200, batch_sizes=(1, 16), taus=SPEED_TAUS, tau_n=200, device="cpu", sub_block=None,
-           commit=None, dtype="auto"):
-    """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and plots.
+def speed_lines(t2, final, ratio, n):
+    """results.md's Table 2."""
+    lines = ["", f"## Table 2: decoding speed, AR against `{final}` (first {n} test prompts, this machine, float32)", "",
+             f"Block {t2[1]['block']}; one block forward costs {ratio:.2f}x a 1-token AR step here (batch 1). *threshold* is "
+             "the paper's commit rule; *left-to-right* commits from the leftmost mask while the product of the "
+             "confidences is >= tau (beyond the paper). *draft-verify* (beyond the paper): the final model drafts each "
+             "block at tau, the AR model checks the draft in one forward and keeps what it would have written itself, so "
+             "the answers are AR's; *same as AR*: share of answers identical to the AR row's, token for token; tokens per "
+             "forward counts the forwards of both models.", "",
+             "| decoder | batch | Recall@1 | valid rate | tokens/s | tokens per forward | speed-up | same as AR "
+             "| tokens per verify |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in t2:
+        name = "AR" if r["decoder"] == "ar" else f"{r['decoder']} {r['commit']} tau = {r['tau']}"
+        exact = f"{r['same_as_ar']:.3f} | {r['tokens_per_verify']:.2f}" if r["decoder"] == "draft-verify" else " | "
+        lines.append(f"| {name} | {r['batch']} | {r['recall@1']:.3f} | {r['valid_rate']:.3f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['tokens_per_forward']:.2f} | {r['speedup']:.2f}x | {exact} |")
+    return lines + ["", "![speed/accuracy frontier](frontier.png)"]
 
-    sub_block / commit (not None) decode every diffusion stage with that sub-block / commit rule instead of
-    its own; the files are then named results_sub{n}.md, results_prefix.md ... beside the default ones.
-    dtype (--dtype: auto or a DTYPES name) is what the report's own decoding runs in; the stages' predictions keep
-    their own."""
+
+def report(run, data_dir, bench_n=100, batch_sizes=(1, 16), taus=SPEED_TAUS, tau_n=200, device="cpu", dtype="float32"):
+    """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and figures.
+    dtype: what the report's own decoding and the speed table run in (both decoders alike)."""
     run, dtype = Path(run), resolve_dtype(dtype, device)
     (run / "report").mkdir(parents=True, exist_ok=True)
     test, sid_of = data.load_split(data_dir, "test")
     tok = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
-    sfx = ("" if sub_block is None else f"_sub{sub_block}") + ("" if commit is None else f"_{commit}")
-    t1 = table1(run, test, sid_of, tok, device, sub_block, commit, dtype)
-    t1b = table1b(run, test[:tau_n] if tau_n else test, sid_of, tok, 0.9, device, sub_block, commit, dtype)
     final = next((s for s in ("rl", "opd", "cft") if (run / s / "stage.json").exists()), None)
+    t1 = table1(run, test, sid_of, tok, device, dtype)
+    t1b = table1b(run, test[:tau_n] if tau_n else test, sid_of, tok, final, 0.9, device, dtype)
     t2, ratio = [], None
     if final and (run / "sft" / "stage.json").exists():
-        t2, ratios = bench_checkpoints(run / "sft", run / final, test[:bench_n], sid_of, taus, batch_sizes, device,
-                                       sub_blocks=None if sub_block is None else [sub_block], commit=commit, dtype=dtype)
-        ratio = next(iter(ratios.values()))  # the one trained block size
-        plot_frontier(t2, run / f"frontier{sfx}.png")
+        t2, ratio = bench_checkpoints(run / "sft", run / final, test[:bench_n], sid_of, taus, batch_sizes, device,
+                                      COMMIT_RULES, dtype=dtype)
+        plot_frontier(t2, run / "frontier.png")
     plot_curves(run, run / "curves.png")
-    plot_masks(run / "masks.png", context_of(AutoConfig.from_pretrained(run / final)) if final else "causal")
+    plot_masks(run / "masks.png")
     stats = json.loads((Path(data_dir) / "stats.json").read_text())
-    result = {"data": str(data_dir), "n_test": len(test), "table1": t1, "table1b_tau0.9": t1b, "table2": t2, "forward_cost_ratio": ratio,
-              "dtype": dtype, "final_diffusion": final, "data_stats": stats}
-    write_atomic(run / f"results{sfx}.json", json.dumps(result, indent=2))
+    result = {"data": str(data_dir), "n_test": len(test), "table1": t1, "table1b_tau0.9": t1b, "table2": t2,
+              "forward_cost_ratio": ratio, "dtype": dtype, "final_diffusion": final, "data_stats": stats}
+    write_atomic(run / "results.json", json.dumps(result, indent=2))
     lines = [f"# Diffusion-GR2 results: {data_dir} (test n = {len(test)})", "",
              "## Table 1: the stage ladder (tau = 1.0; AR greedy), 95% bootstrap intervals", "",
              "| method | Recall@1 | Recall@3 | NDCG@3 | valid rate | copies retriever | grounded ids | reasoning tokens "
@@ -301,80 +311,57 @@ def report(run, data_dir, bench_n=200, batch_sizes=(1, 16), taus=SPEED_TAUS, tau
     lines += ["", "An invalid answer is scored as the retriever order. *copies retriever*: share of answers that are valid "
               "copies of the retriever order; *grounded ids*: share of the SIDs cited in the reasoning that are in the history or the "
               "candidates (a proxy for the paper's judge study); *reasoning tokens*: mean length up to `</think>`."]
-    deltas = [r for r in t1 if "delta_recall@1_vs_prev" in r]
-    if deltas:
-        lines += ["", "Paired differences to the row above (mean [95% interval]):", ""]
-        for r in deltas:
-            d, e = r["delta_recall@1_vs_prev"], r["delta_ndcg@3_vs_prev"]
-            lines.append(f"- {r['name']}: Recall@1 {d[0]:+.4f} [{d[1]:+.3f}, {d[2]:+.3f}], NDCG@3 {e[0]:+.4f} [{e[1]:+.3f}, {e[2]:+.3f}]")
-    lines += invalid_lines(t1)
+    lines += delta_lines(t1, "Paired differences to the row above (mean [95% interval]):") + invalid_lines(t1)
     if len(t1b) > 1:
         lines += ["", f"## Table 1b: the diffusion stages at tau = 0.9 (first {t1b[0]['n']} test examples), paired", "",
-                  "The AR re-ranker (greedy) is the reference row: the first paired difference is CFT's gap to it.", "",
+                  "The AR re-ranker (greedy) is the reference row: the first paired difference is CFT's gap to it. The "
+                  "last row decodes the final model left to right (beyond the paper), paired with the row above it.", "",
                   "| method | Recall@1 | Recall@3 | NDCG@3 | valid rate | tokens per forward |", "|---|---|---|---|---|---|"]
         for r in t1b:
             tpf = f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else ""
             lines.append(f"| {r['name']} | {fmt_ci(r, 'recall@1')} | {fmt_ci(r, 'recall@3')} | {fmt_ci(r, 'ndcg@3')} | "
                          f"{r['valid_rate']:.3f} | {tpf} |")
-        if len(t1b) > 2:
-            lines += ["", "Paired differences to the row above at tau = 0.9:", ""]
-        for r in t1b[2:]:
-            d, e = r["delta_recall@1_vs_prev"], r["delta_ndcg@3_vs_prev"]
-            lines.append(f"- {r['name']}: Recall@1 {d[0]:+.4f} [{d[1]:+.3f}, {d[2]:+.3f}], NDCG@3 {e[0]:+.4f} [{e[1]:+.3f}, {e[2]:+.3f}]")
-        lines += invalid_lines(t1b)
+        lines += delta_lines(t1b[2:], "Paired differences to the row above at tau = 0.9:") + invalid_lines(t1b)
     if t2:
-        dec = next(r for r in t2 if r["decoder"] == "diffusion")  # block, sub-block and commit rule of every diffusion row
-        lines += ["", f"## Table 2: decoding speed, AR against `{final}` (first {bench_n} test prompts, this machine)", "",
-                  f"One block forward costs {ratio:.2f}x a 1-token AR step here (batch 1). Block {dec['block']}"
-                  + (f", commits only inside the leftmost sub-block of {dec['sub_block']} with masks" if dec["sub_block"] else "")
-                  + {"prefix": ", commits only the leftmost mask and the confident run after it (prefix rule).",
-                     "joint": ", commits the most confident positions while the product of their confidences is >= tau (joint rule).",
-                     "prefix-joint": ", commits left to right from the leftmost mask while the product of the confidences is >= tau "
-                                     "(prefix-joint rule)."}.get(dec["commit"], "."), "",
-                  "| decoder | batch | Recall@1 | valid rate | tokens/s | tokens per forward | speed-up |", "|---|---|---|---|---|---|---|"]
-        for r in t2:
-            name = "AR" if r["decoder"] == "ar" else f"diffusion tau = {r['tau']}"
-            lines.append(f"| {name} | {r['batch']} | {r['recall@1']:.3f} | {r['valid_rate']:.3f} | {r['tokens_per_s']:.1f} | "
-                         f"{r['tokens_per_forward']:.2f} | {r['speedup']:.2f}x |")
-        lines += ["", f"![speed/accuracy frontier](frontier{sfx}.png)"]
+        lines += speed_lines(t2, final, ratio, bench_n)
     lines += ["", "![training curves](curves.png)", "", "![attention masks](masks.png)", ""]
-    write_atomic(run / f"results{sfx}.md", "\n".join(lines))
+    write_atomic(run / "results.md", "\n".join(lines))
     print("\n".join(lines))
     return result
 
 
+def delta_lines(rows, title):
+    rows = [r for r in rows if "delta_recall@1_vs_prev" in r]
+    lines = ["", title, ""] if rows else []
+    for r in rows:
+        d, e = r["delta_recall@1_vs_prev"], r["delta_ndcg@3_vs_prev"]
+        lines.append(f"- {r['name']}: Recall@1 {d[0]:+.4f} [{d[1]:+.3f}, {d[2]:+.3f}], NDCG@3 {e[0]:+.4f} [{e[1]:+.3f}, {e[2]:+.3f}]")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--report", action="store_true", help="evaluate every checkpoint of a run and write results.md/json")
     ap.add_argument("--run", default="out", help="the run's output folder (holds sft/, naive/, cft/, opd/, rl/)")
     ap.add_argument("--data", default="data/synthetic", help="folder written by data.py")
-    ap.add_argument("--bench-n", type=int, default=200,  # 200 = Table 1b's examples: at 64 one answer moves Recall@1 by 0.016
-                    help="test prompts for the speed table (the first N; the default matches --tau-n)")
+    ap.add_argument("--bench-n", type=int, default=100, help="test prompts for the speed table (the first N)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="decoding batch sizes for the speed table")
-    # tau = 1.0 is left to Table 1: it commits one token per block forward, the slowest rows (~6 minutes on a 2-core CPU)
     ap.add_argument("--taus", type=float, nargs="+", default=list(SPEED_TAUS),
                     help="commit thresholds for the speed table's diffusion rows")
     ap.add_argument("--tau-n", type=int, default=200, help="test examples for the tau = 0.9 ladder (0 = all)")
-    ap.add_argument("--device", default="cpu", help="torch device for the decoding the report does")
-    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help=DTYPE_HELP + "; for the decoding the report does")
-    ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
-    ap.add_argument("--context", choices=list(CONTEXTS), default="causal", help="the context rule --masks-figure draws (a report draws its final model's)")
     ap.add_argument("--paired", nargs=2, default=None, metavar=("A", "B"),
                     help="only compare two predictions.jsonl of the same test examples of --data: B - A with 95%% intervals")
-    ap.add_argument("--sub-block", type=int, default=None,
-                    help="decode every diffusion stage with this sub-block instead of its own (writes results_sub{n}.md)")
-    ap.add_argument("--commit", choices=COMMIT_RULES, default=None,
-                    help="decode every diffusion stage with this commit rule instead of its own (writes results_{rule}.md)")
+    ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
+    ap.add_argument("--device", default="cpu", help="torch device for the decoding the report does")
+    ap.add_argument("--dtype", default="float32", choices=["auto", *DTYPES],  # one dtype for both decoders: a fair table
+                    help="dtype of the report's own decoding and of both decoders in the speed table: " + DTYPE_HELP)
     args = ap.parse_args(argv)
     if args.masks_figure:
-        plot_masks(args.masks_figure, args.context)
+        plot_masks(args.masks_figure)
     elif args.paired:
         paired(*args.paired, args.data)
-    elif args.report:
-        report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tuple(args.taus), tau_n=args.tau_n, device=args.device,
-               sub_block=args.sub_block, commit=args.commit, dtype=args.dtype)
     else:
-        ap.error("choose --report, --paired or --masks-figure")
+        report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tuple(args.taus), args.tau_n, args.device,
+               args.dtype)
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def trace(lines, answer_sids, scores=(5, 5, 2)):
     """A response in data.teacher_trace's format for the first three candidates of C."""
     evidence = " ".join(f"c{k + 1} brand item brand0 cat0 next0 top0 = {s} ;" for k, s in enumerate(scores))
     ranking = " ".join(f"{s} c{k} " + (" ".join(sid.replace("><", "> <").split()) + " " if sid else "") + ";"
-                       for s, k, sid in lines)  # sid None: data.py --ranking index
+                       for s, k, sid in lines)  # sid None: a ranking line whose SID the model left out
     return f"<think> {evidence} ranking : {ranking} </think> [" + "".join(answer_sids) + "]"
 
 
@@ -111,7 +111,7 @@ def trace(lines, answer_sids, scores=(5, 5, 2)):
     ([(5, 1, C[0]), (5, 2, C[0]), (2, 3, C[2])], [C[0], C[0], C[2]], "sid mixed"),          # c2 written with c1's SID
     ([(5, 1, C[0]), (5, 2, C[1]), (2, 3, C[2])], [C[0], C[0], C[2]], "answer mis-copied"),  # ranking right, answer not
     ([(5, 1, C[0]), (2, 3, C[2]), (2, 3, C[2])], [C[0], C[2], C[2]], "order"),              # c3 (alone at 2) twice
-    ([(5, 1, None), (5, 2, None), (2, 3, None)], [C[0], C[2], C[2]], "answer mis-copied"),   # --ranking index
+    ([(5, 1, None), (5, 2, None), (2, 3, None)], [C[0], C[2], C[2]], "answer mis-copied"),   # lines without SIDs
     ([(5, 2, None), (5, 2, None), (2, 3, None)], [C[1], C[1], C[2]], "tie repeated"),
 ])
 def test_invalid_cause_by_hand(lines, answer_sids, cause):
@@ -120,11 +120,3 @@ def test_invalid_cause_by_hand(lines, answer_sids, cause):
     assert metrics.judge(text, cands)[1] != "valid"
     assert metrics.invalid_cause(text, cands) == cause
     assert metrics.invalid_cause("<think> no ranking here </think> []", cands) == "no ranking"
-
-
-def test_write_atomic_makes_the_folder_and_leaves_no_temporary(tmp_path):
-    path = tmp_path / "run" / "report" / "rows.jsonl"  # neither folder exists yet
-    metrics.write_atomic(path, "one\n")
-    metrics.write_atomic(path, "two\n")  # a rewrite replaces the file whole
-    assert path.read_text() == "two\n"
-    assert sorted(p.name for p in path.parent.iterdir()) == ["rows.jsonl"]

@@ -1,24 +1,39 @@
-"""The training stages' own mechanics: CFT learns, OPD's divergence and fixed point, RL's reward plumbing."""
+"""The training stages' own mechanics: CFT learns, OPD's normalisation and fixed point, RL's advantages, clipped
+ratio and updates, and the settings each stage refuses."""
+import importlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+import rl
 from conftest import EOS, MASK, PAD, random_prompts, tiny
 from decode import diffusion_generate
-from model import diffusion_loss, token_kl
-from opd import opd_loss, opd_losses
+from model import diffusion_loss, token_kl, without_mask
+from opd import opd_losses
 from rl import clipped_loss, group_advantages, policy_update, rollout_logprobs
 
+TOK = SimpleNamespace(mask_token_id=MASK, pad_token_id=PAD, eos_token_id=EOS)
 
-@pytest.mark.parametrize("noise_shape", ["random", "suffix", "mixed"])
-def test_cft_loss_goes_down_on_a_tiny_model(noise_shape):
+
+def rollouts(model, prompts, block=4, tau=0.5, max_new=16, temperature=1.0, seed=1, seen=None):
+    """Sampled rollouts; `seen` collects the decoder's logit for every committed token by (row, position)."""
+    def record(b, s, canvas, committed, pred):
+        for i, j in committed.nonzero().tolist():
+            seen[(i, b * block + j)] = pred[i, j].clone()
+    return diffusion_generate(model, prompts, block, tau, max_new, MASK, EOS, PAD, temperature=temperature,
+                              generator=torch.Generator().manual_seed(seed), on_step=record if seen is not None else None)
+
+
+# ----------------------------------------------------------------------------- CFT
+def test_cft_loss_goes_down_on_a_micro_model():
     model = tiny()
     model.train()
     batch = {"prompt_ids": random_prompts(4), "response_ids": random_prompts(4, 9, 14, seed=5), "n_reasoning": [4] * 4}
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for step in range(40):
-        g = torch.Generator().manual_seed(step)
-        loss, n = diffusion_loss(model, batch, 4, MASK, EOS, t_range=(0.02, 0.98), generator=g, noise_shape=noise_shape)
+    for step in range(30):
+        loss, n = diffusion_loss(model, batch, 4, MASK, generator=torch.Generator().manual_seed(step))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -26,46 +41,44 @@ def test_cft_loss_goes_down_on_a_tiny_model(noise_shape):
     assert n > 0 and sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
 
 
-def test_kl_matches_its_closed_form():
-    p = torch.tensor([[0.5, 0.25, 0.25], [0.9, 0.05, 0.05]])
-    q = torch.tensor([[0.25, 0.25, 0.5], [1 / 3, 1 / 3, 1 / 3]])
-    forward = (p * (p / q).log()).sum(-1)   # KL(p || q), p = teacher
-    reverse = (q * (q / p).log()).sum(-1)   # KL(q || p), q = student
-    logits_q = q.log() + 7.0                # any constant shift: the student gives raw logits
-    assert torch.allclose(token_kl(p.log(), logits_q), forward, atol=1e-6)
-    assert torch.allclose(token_kl(p.log(), logits_q, reverse=True), reverse, atol=1e-6)
-    assert token_kl(p.log(), p.log()).abs().max() < 1e-6
+# ----------------------------------------------------------------------------- OPD
+def test_opd_losses_sum_to_the_mean_kl_per_token_of_each_trajectory():
+    """By hand: the teacher's logits from a plain HF forward over prompt + completion, the student's from the
+    decoder itself at the moment each token was committed; each trajectory weighs the same, whatever its length."""
+    student, teacher = tiny(sharpen=4.0), tiny(seed=1, sharpen=4.0)
+    prompts, seen = random_prompts(4), {}
+    roll = rollouts(student, prompts, seen=seen)
+    assert len({len(t) for t in roll.tokens}) > 1  # lengths differ: a per-token mean over the batch would differ
+    parts = list(opd_losses(student, teacher, prompts, roll, 4, MASK, PAD, max_rows=3))
+    by_hand = 0.0
+    for i, (p, tokens) in enumerate(zip(prompts, roll.tokens)):
+        with torch.no_grad():
+            t_logits = teacher(input_ids=torch.tensor([p + tokens])).logits[0, len(p) - 1:-1]
+        s_logits = torch.stack([seen[(i, r)] for r in range(len(tokens))])
+        by_hand += token_kl(t_logits, s_logits, MASK).mean()
+    assert len(parts) > 1 and abs(sum(parts).item() - by_hand.item()) <= 1e-4
 
 
 def test_opd_with_itself_as_teacher_at_block_one_is_zero_with_no_gradient():
+    """With B = 1 every replayed canvas is the causal prefix: the student is its own AR teacher exactly."""
     model = tiny(sharpen=4.0)
     prompts = random_prompts(3)
-    roll = diffusion_generate(model, prompts, 1, 0.9, 12, MASK, EOS, PAD, temperature=1.0,
-                              generator=torch.Generator().manual_seed(0))
-    loss = opd_loss(model, model, prompts, roll, 1, MASK, PAD)
+    roll = rollouts(model, prompts, block=1, tau=0.9, max_new=12)
+    loss = sum(opd_losses(model, model, prompts, roll, 1, MASK, PAD))
     loss.backward()
     assert abs(loss.item()) < 1e-5
     assert max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None) < 1e-5
 
 
-def test_opd_loss_is_positive_against_another_teacher():
-    student, teacher = tiny(sharpen=4.0), tiny(seed=1, sharpen=4.0)
-    prompts = random_prompts(2)
-    roll = diffusion_generate(student, prompts, 4, 0.9, 12, MASK, EOS, PAD)
-    assert opd_loss(student, teacher, prompts, roll, 4, MASK, PAD).item() > 0.01
-
-
-def test_opd_gradient_does_not_depend_on_how_many_canvases_go_through_at_once_or_share_a_row():
-    """--rows bounds memory and --pack saves time, not maths: one canvas per backward, or three canvases
-    in one row, give the gradient of all at once."""
+def test_opd_gradient_does_not_depend_on_how_many_canvases_go_through_at_once():
+    """--rows bounds memory, not maths: one canvas per backward gives the gradient of all at once."""
     student, teacher = tiny(sharpen=4.0), tiny(seed=1, sharpen=4.0)
     prompts = random_prompts(3)
-    roll = diffusion_generate(student, prompts, 4, 0.9, 12, MASK, EOS, PAD, temperature=1.0,
-                              generator=torch.Generator().manual_seed(3))
+    roll = rollouts(student, prompts, seed=3)
     grads, totals = [], []
-    for max_rows, pack in ((64, 1), (64, 3), (1, 1)):  # the last: one part per canvas
+    for max_rows in (64, 3, 1):
         student.zero_grad()
-        parts = list(opd_losses(student, teacher, prompts, roll, 4, MASK, PAD, max_rows=max_rows, pack=pack))
+        parts = list(opd_losses(student, teacher, prompts, roll, 4, MASK, PAD, max_rows=max_rows))
         for part in parts:
             part.backward()
         totals.append(sum(p.item() for p in parts))
@@ -74,104 +87,107 @@ def test_opd_gradient_does_not_depend_on_how_many_canvases_go_through_at_once_or
     assert all(torch.allclose(g, grads[0], atol=1e-6) for g in grads[1:])
 
 
-def all_logprobs(model, policy, prompts, roll, block, max_rows=64):
-    parts = list(rollout_logprobs(model, policy, prompts, roll, block, MASK, PAD, 1.0, max_rows))
-    return torch.cat([lp for lp, _ in parts]), torch.cat([o for _, o in parts])
+# ----------------------------------------------------------------------------- RL
+def test_group_advantages_are_z_scores_inside_each_group():
+    rewards = [1.0, 1.0, 1.0, 0.5, -1.0, 0.2, -1.0, 0.6, 0.6]
+    adv = group_advantages(rewards, group=3)
+    assert adv[:3] == [None, None, None]  # every reward equal: nothing to learn from this group
+    for lo in (3, 6):
+        r = torch.tensor(rewards[lo:lo + 3], dtype=torch.float64)
+        by_hand = (r - r.mean()) / ((r - r.mean()) ** 2).sum().div(2).sqrt()  # unbiased: n - 1 = 2
+        assert adv[lo:lo + 3] == pytest.approx(by_hand.tolist(), abs=1e-6)
+        assert torch.tensor(adv[lo:lo + 3]).std().item() == pytest.approx(1.0, abs=1e-6)
 
 
-def test_zero_variance_groups_are_dropped():
-    adv = group_advantages([1.0, 1.0, 1.0, 0.5, -1.0, 0.2], group=3)
-    assert adv[:3] == [None, None, None]
-    assert all(a is not None for a in adv[3:]) and abs(sum(adv[3:])) < 1e-6
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_clipped_loss_by_hand(sign):
+    """ratio 0.6, 1.0, 1.6 against eps 0.2. A > 0: the ratio 1.6 is clipped at 1 + eps (no gradient) and 0.6 is
+    not (pessimistic); A < 0: the ratio 0.6 is clipped at 1 - eps and 1.6 is not."""
+    logp_old = torch.log(torch.tensor([0.5, 0.5, 0.5]))
+    logp = torch.log(torch.tensor([0.3, 0.5, 0.8])).requires_grad_()
+    loss, clipped = clipped_loss(logp, logp_old, torch.full((3,), sign), 0.2)
+    loss.backward()
+    if sign > 0:  # -min(r, clip(r)): -0.6, -1.0, -1.2
+        assert loss.item() == pytest.approx(-2.8) and logp.grad.tolist() == pytest.approx([-0.6, -1.0, 0.0])
+    else:         # max(r, clip(r)): 0.8, 1.0, 1.6
+        assert loss.item() == pytest.approx(3.4) and logp.grad.tolist() == pytest.approx([0.0, 1.0, 1.6])
+    assert clipped == 2  # both ratios outside [0.8, 1.2], whichever of them the minimum clipped
 
 
-def test_unchanged_policy_has_ratio_exactly_one():
-    model = tiny(sharpen=30.0)
-    prompts = random_prompts(2)
-    roll = diffusion_generate(model, prompts, 4, 0.8, 12, MASK, EOS, PAD, temperature=1.0,
-                              generator=torch.Generator().manual_seed(1))
-    logp, owner = all_logprobs(model, "diffusion", prompts, roll, 4)
-    again, _ = all_logprobs(model, "diffusion", prompts, roll, 4)
-    assert torch.equal(torch.exp(again - logp.detach()), torch.ones_like(logp))
-    loss, clipped = clipped_loss(again, logp.detach(), torch.ones_like(logp), 0.2)
-    assert clipped == 0 and torch.allclose(loss, -torch.ones_like(logp).sum())
-    assert len(owner) == sum(len(t) for t in roll.tokens)
-    one_row, _ = all_logprobs(model, "diffusion", prompts, roll, 4, max_rows=1)  # same tokens, same order
-    assert torch.allclose(one_row, logp, atol=1e-5)
+def test_rollout_log_probs_are_the_sampling_distribution_at_each_commit():
+    """log pi(y_i) read from the replayed canvas is the log-probability the decoder sampled y_i with: the
+    rollout's temperature, the mask token excluded. Every kept token exactly once, however the rows are chunked."""
+    model, prompts, seen = tiny(sharpen=4.0), random_prompts(3), {}
+    roll = rollouts(model, prompts, temperature=0.7, seen=seen)
+    parts = {rows: list(rollout_logprobs(model, prompts, roll, 4, MASK, PAD, 0.7, rows)) for rows in (64, 1)}
+    logp, owner = (torch.cat(x) for x in zip(*parts[64]))
+    assert owner.bincount().tolist() == [len(t) for t in roll.tokens]
+    for i, tokens in enumerate(roll.tokens):  # the parts come canvas by canvas: compare each rollout's values sorted
+        by_hand = torch.stack([torch.log_softmax(without_mask(seen[(i, r)], MASK) / 0.7, -1)[t] for r, t in enumerate(tokens)])
+        assert torch.allclose(logp[owner == i].sort().values, by_hand.sort().values, atol=1e-4)
+    assert torch.allclose(torch.cat([lp for lp, _ in parts[1]]), logp, atol=1e-5)
 
 
-def test_ar_policy_log_probs_are_the_causal_ones():
-    from decode import ar_generate
-    model = tiny(sharpen=4.0)
-    prompts = random_prompts(2)
-    roll = ar_generate(model, prompts, 8, EOS, PAD, temperature=1.0, generator=torch.Generator().manual_seed(2))
-    logp, _ = all_logprobs(model, "ar", prompts, roll, 1)
-    p, r = prompts[0], roll.tokens[0]
-    ref = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1], -1)
-    assert torch.allclose(logp[:len(r)], ref.gather(1, torch.tensor(r)[:, None])[:, 0], atol=1e-5)
+def update_args(updates):
+    return SimpleNamespace(updates=updates, group=2, temperature=1.0, rows=64, clip=0.2)
 
 
-@pytest.mark.parametrize("policy", ["ar", "diffusion"])
-def test_one_update_moves_probability_from_the_worse_rollout_to_the_better(policy):
-    """The sign of the whole RL update: log pi(better) - log pi(worse) rises (first order: by lr * |grad|)."""
-    from types import SimpleNamespace
-
-    from decode import ar_generate
+def test_one_update_moves_probability_from_the_worse_rollout_to_the_better():
+    """The sign of the whole RL update: log pi(better) - log pi(worse) rises."""
     model = tiny(sharpen=2.0)
     prompts = random_prompts(1) * 2  # one prompt, two rollouts of it
-    gen, block = torch.Generator().manual_seed(3), 1 if policy == "ar" else 4
-    roll = (ar_generate(model, prompts, 8, EOS, PAD, temperature=1.0, generator=gen) if policy == "ar" else
-            diffusion_generate(model, prompts, 4, 0.8, 12, MASK, EOS, PAD, temperature=1.0, generator=gen))
+    roll = rollouts(model, prompts, tau=0.8, max_new=12, seed=3)
     assert roll.tokens[0] != roll.tokens[1]
 
     def summed_logp():
         with torch.no_grad():
-            logp, owner = all_logprobs(model, policy, prompts, roll, block)
+            logp, owner = (torch.cat(x) for x in zip(*rollout_logprobs(model, prompts, roll, 4, MASK, PAD, 1.0)))
         return [logp[owner == i].sum().item() for i in (0, 1)]
 
     before = summed_logp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    args = SimpleNamespace(updates=1, chunk=8, temperature=1.0, rows=64, pack=2, clip=0.2)
-    tok = SimpleNamespace(mask_token_id=MASK, pad_token_id=PAD)
-    clip_frac = policy_update(model, opt, policy, prompts, roll, [1.0, -1.0], [0, 1], block, tok, args)
+    policy_update(model, opt, prompts, roll, [1.0, -1.0], [0, 1], 4, TOK, update_args(1))
     after = summed_logp()
-    assert clip_frac == 0.0  # one update: the ratio is exactly 1
     assert (after[0] - before[0]) - (after[1] - before[1]) > 1e-3
 
 
+def test_a_second_update_on_the_same_rollouts_sees_the_moved_policy(monkeypatch):
+    """--updates 2: pi_old stays the policy that made the rollouts, so the second pass has ratios away from 1,
+    and the clipped fraction counts exactly the ratios outside [1 - eps, 1 + eps]."""
+    model = tiny(sharpen=2.0)
+    prompts = random_prompts(2) * 2
+    roll = rollouts(model, prompts, seed=2)
+    ratios = []
+
+    def spy(logp, logp_old, adv, eps):
+        ratios.append(torch.exp(logp - logp_old).detach())
+        return clipped_loss(logp, logp_old, adv, eps)
+
+    monkeypatch.setattr(rl, "clipped_loss", spy)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.0)
+    adv = [1.0, -1.0, -1.0, 1.0]  # rollout i answers prompt i % 2: kept groups of two, in order
+    frac = policy_update(model, opt, prompts, roll, adv, [0, 1, 2, 3], 4, TOK, update_args(2))
+    first, second = torch.cat(ratios[:len(ratios) // 2]), torch.cat(ratios[len(ratios) // 2:])
+    assert len(first) == len(second) == sum(len(t) for t in roll.tokens)
+    assert (second - 1).abs().max() > 1e-2
+    assert frac == pytest.approx(((second - 1).abs() > 0.2).sum().item() / (2 * len(first)))
+
+
+# ----------------------------------------------------------------------------- refused settings
 @pytest.mark.parametrize("script,args,message", [
-    ("opd", ["--group", "0"], "--group and --prompts-per-step must be at least 1"),
-    ("rl", ["--group", "1"], "--group must be at least 2"),  # one rollout: no group to compare it with
-    ("rl", ["--prompts-per-step", "0"], "--prompts-per-step at least 1"),
+    ("sft", ["--eval-every", "0"], "must be at least 1: --eval-every 0"),
+    ("cft", ["--block", "0"], "must be at least 1: --block 0"),
+    ("cft", ["--t-min", "0"], "need 0 < --t-min <= --t-max <= 1, got 0.0, 0.98"),
+    ("cft", ["--t-min", "0.5", "--t-max", "0.4"], "need 0 < --t-min <= --t-max <= 1, got 0.5, 0.4"),
+    ("opd", ["--group", "0"], "must be at least 1: --group 0"),
+    ("opd", ["--rows", "0"], "must be at least 1: --rows 0"),
+    ("rl", ["--group", "1"], "--group must be at least 2, got 1"),  # one rollout: no group to compare it with
+    ("rl", ["--updates", "0"], "must be at least 1: --updates 0"),
+    ("rl", ["--prompts-per-step", "0"], "must be at least 1: --prompts-per-step 0"),
     ("opd", ["--lambda-r", "0.1"], "unrecognized arguments: --lambda-r"),  # OPD's and RL's losses weight no tokens
     ("rl", ["--lambda-o", "2"], "unrecognized arguments: --lambda-o"),
 ])
 def test_settings_that_cannot_train_are_refused_with_a_clear_error(script, args, message, capsys):
-    import importlib
     with pytest.raises(SystemExit):
         importlib.import_module(script).parse_args(args)
     assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("script,flag", [("opd", "--pack"), ("opd", "--rows"), ("rl", "--pack"), ("rl", "--chunk")])
-def test_replay_sizes_below_one_are_refused_with_a_clear_error(script, flag, capsys):
-    import importlib
-    with pytest.raises(SystemExit):
-        importlib.import_module(script).parse_args([flag, "0"])
-    assert "--rows, --pack and --chunk must be at least 1" in capsys.readouterr().err
-
-
-def test_cft_refuses_an_ar_loss_on_a_block_context(capsys):
-    import cft
-    with pytest.raises(SystemExit):
-        cft.parse_args(["--context", "block", "--ar-weight", "0.5"])
-    assert cft.parse_args(["--context", "block"]).ar_weight == 0.0 and cft.parse_args([]).ar_weight == 2.0
-    assert "--ar-weight needs --context causal" in capsys.readouterr().err
-
-
-def test_cft_refuses_a_suffix_share_outside_zero_to_one(capsys):
-    import cft
-    with pytest.raises(SystemExit):
-        cft.parse_args(["--noise-shape", "mixed", "--suffix-frac", "1.5"])
-    assert "--suffix-frac is a share of blocks, between 0 and 1, got 1.5" in capsys.readouterr().err
-    assert cft.parse_args(["--noise-shape", "mixed", "--suffix-frac", "1"]).suffix_frac == 1.0
