@@ -173,31 +173,6 @@ def rerank_reward(text, candidates, target, bonus=0.2):
     return r + bonus if r > 0 or before == after == 1 else r
 
 
-def kendall_tau(a, b):
-    """Kendall rank correlation of two orderings of the same items (1 = identical, -1 = reversed)."""
-    pos = {x: i for i, x in enumerate(b)}
-    r = [pos[x] for x in a]
-    n = len(r)
-    concordant = sum((r[j] > r[i]) - (r[j] < r[i]) for i in range(n) for j in range(i + 1, n))
-    return concordant / (n * (n - 1) / 2) if n > 1 else 1.0
-
-
-def agreement(preds, reference):
-    """Top-1 agreement and mean Kendall tau of the final rankings (after fallback) of two prediction files."""
-    ref = {p["id"]: p for p in reference}
-    top1, taus = [], []
-    for p in preds:
-        q = ref.get(p["id"])
-        if q is None:
-            continue
-        a = p["parsed"] if p["validity"] == "valid" else p["candidates"]
-        b = q["parsed"] if q["validity"] == "valid" else q["candidates"]
-        top1.append(float(a[0] == b[0]))
-        taus.append(kendall_tau(a, b))
-    return {"top1_agreement": float(np.mean(top1)) if top1 else 0.0,
-            "kendall_tau": float(np.mean(taus)) if taus else 0.0, "n": len(top1)}
-
-
 # ----------------------------------------------------------------------------- a stage's metrics.json
 def stage_metrics(quality, examples, by_tau=None):
     """OUT/metrics.json content: quality-mode metrics at the top, the floor, and (diffusion) other taus."""

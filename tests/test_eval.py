@@ -1,4 +1,4 @@
-"""eval.py: parsing, validity classes, metrics on hand-computed cases, reward, agreement, bootstrap."""
+"""eval.py: parsing, validity classes, metrics on hand-computed cases, reward, bootstrap."""
 import math
 
 import pytest
@@ -81,14 +81,6 @@ def test_reward_cases():
     assert metrics.rerank_reward(answer(C[1:] + [C[0]]), C, C[0]) == pytest.approx(-0.9)
     for bad in (answer(C, think=False), answer(C[:9] + [C[0]]), answer(C[:9]), answer(C[:9] + [metrics.sid_str(99, 0, 0, 0)])):
         assert metrics.rerank_reward(bad, C, target) == -1.0
-
-
-def test_kendall_tau_and_agreement():
-    assert metrics.kendall_tau(C, C) == 1.0 and metrics.kendall_tau(C, C[::-1]) == -1.0
-    a = [{"id": 1, "parsed": C, "validity": "valid", "candidates": C}]
-    b = [{"id": 1, "parsed": None, "validity": "parse_error", "candidates": C[::-1]}]
-    assert metrics.agreement(a, a)["top1_agreement"] == 1.0
-    assert metrics.agreement(a, b) == {"top1_agreement": 0.0, "kendall_tau": -1.0, "n": 1}
 
 
 def test_bootstrap_intervals():
