@@ -170,24 +170,30 @@ def plot_frontier(rows, path):
     """Recall@1 against tokens per forward (hardware-independent) and against the measured speed-up."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for bs in sorted({r["batch"] for r in rows}):
+    batches = sorted({r["batch"] for r in rows})
+    for bs in batches:
         sel = [r for r in rows if r["batch"] == bs]
-        diff = [r for r in sel if r["decoder"] == "diffusion"]
-        exact = [r for r in sel if r["decoder"] == "draft-verify"]
-        for ax, key in zip(axes, ("tokens_per_forward", "speedup")):
-            ax.plot([r[key] for r in diff], [r["recall@1"] for r in diff], marker="o", label=f"diffusion, batch {bs}")
-            for r in diff:
-                ax.annotate(f"tau={r['tau']}", (r[key], r["recall@1"]), fontsize=7)
+        # tokens per forward does not depend on the batch: draw it once, from the smallest batch
+        panels = zip(axes, ("tokens_per_forward", "speedup")) if bs == batches[0] else [(axes[1], "speedup")]
+        for ax, key in panels:
+            for rule, style in (("threshold", "o-"), ("left-to-right", "^--")):
+                line = [r for r in sel if r["decoder"] == "diffusion" and r["commit"] == rule]
+                if not line:
+                    continue
+                ax.plot([r[key] for r in line], [r["recall@1"] for r in line], style, label=f"{rule}, batch {bs}")
+                for r in line:
+                    ax.annotate(f"{r['tau']}", (r[key], r["recall@1"]), fontsize=7)
+            exact = [r for r in sel if r["decoder"] == "draft-verify"]
             if exact:
                 ax.scatter([r[key] for r in exact], [r["recall@1"] for r in exact], marker="s", label=f"draft-verify, batch {bs}")
             ar = [r for r in sel if r["decoder"] == "ar"][0]
             ax.scatter([ar[key]], [ar["recall@1"]], marker="*", s=120, label=f"AR, batch {bs}")
-    axes[0].set_xlabel("tokens per forward")
+    axes[0].set_xlabel("tokens per forward (labels: tau)")
     axes[1].set_xlabel("wall-clock speed-up over AR (this machine)")
     for ax in axes:
         ax.set_ylabel("Recall@1")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     save(plt, fig, path)
 
 
