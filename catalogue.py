@@ -142,6 +142,19 @@ def read_mcauley(raw, k_core=5):
     return items, users
 
 
+def catalogue_name(raw):
+    """The catalogue's own name, for stats.json and the default output folder: the prefix of its
+    `NAME_items.jsonl` (lower-cased), "beauty" for McAuley's Beauty files, else the folder's name."""
+    if not Path(raw).is_dir():
+        raise DataError(f"{raw}: directory not found")
+    hits = sorted(Path(raw).glob("*items.jsonl"))
+    if hits and hits[0].name.endswith("_items.jsonl"):
+        return hits[0].name[:-len("_items.jsonl")].lower()
+    if (Path(raw) / "reviews_Beauty_5.json.gz").exists():
+        return "beauty"
+    return Path(raw).resolve().name.lower()
+
+
 def load_catalogue(raw):
     if not Path(raw).is_dir():
         raise DataError(f"{raw}: directory not found")

@@ -14,17 +14,20 @@ Every stage of Diffusion-GR2 trains and tests on what this script writes. The pi
    (in retriever order) is the candidate list, and only examples whose target is in it are kept.
    Co-occurrence counts come from training positions only; a training example is scored with its
    own user's pairs removed, so train and test candidate lists look alike (no leakage, no shift).
-4. A rule-based trace teacher (the paper used an LLM + rejection sampling). It computes evidence that
-   the prompt shows (brand and category overlap with the history, the routine that usually follows the
-   last purchase, retriever position), scores every candidate with the weights of a sampled strategy,
-   and keeps the trace only when its ranking puts the target first. The ranking follows from the
-   stated scores, so a reasoning error changes the answer. An example whose target no strategy puts
-   first gets no trace and is left out of training (counted in stats.json as `teacher_kept_rate`).
+4. A rule-based trace teacher (the paper used an LLM + rejection sampling). It reads evidence that the
+   prompt shows (the brand of the last purchase and of the history, categories bought before, how often
+   a category follows the last one, shared title words, retriever position), scores every candidate by
+   adding one integer weight per piece of evidence, and keeps the trace only when its ranking puts the
+   target first. The weights are fitted on training examples only (a conditional logit, then rounded),
+   so the teacher ranks better than the retriever wherever the evidence carries signal. The ranking
+   follows from the stated scores, so a reasoning error changes the answer. An example whose target the
+   teacher does not put first gets no trace and is left out of training (stats.json: `teacher_kept_rate`;
+   the teacher's own ranking of the test split is `teacher`, beside the retriever's `floor`).
 5. A tokenizer (a word-level one built here for the tiny model, or a Qwen3 one with the SID tokens and
    the mask token added), the tokenized splits as a `datasets.DatasetDict`, and stats.json.
 
     python data.py                                                # synthetic -> data/synthetic
-    python data.py --source beauty --raw ../shared/data/amazon-beauty   # -> data/beauty
+    python data.py --raw ../shared/data/amazon-beauty             # a real catalogue -> data/beauty
     python data.py --tokenizer ../shared/data/qwen3-tokenizer --out data/synthetic-qwen3
 """
 import argparse
@@ -42,20 +45,24 @@ import numpy as np
 import torch
 
 import eval as metrics
-from catalogue import DataError, load_catalogue, make_synthetic, read_jsonl_layout, write_jsonl_layout
+from catalogue import DataError, catalogue_name, load_catalogue, make_synthetic, read_jsonl_layout, write_jsonl_layout
 
 MASK_TOKEN = "<|mask|>"  # [diffusion] the token a block-diffusion model denoises
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<unk>", MASK_TOKEN]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-# Per-source defaults: the synthetic task is sized for fast learning on a CPU.
+# Defaults of the built-in synthetic task (sized for fast learning on a CPU) and of any real catalogue.
 SOURCE_DEFAULTS = {"synthetic": dict(codebook=256, history=5, title_words=3, max_eval=500),
-                   "beauty": dict(codebook=256, history=6, title_words=5, max_eval=0)}
-# Strategies of the trace teacher: weights of (brand, category, next-in-routine, retriever top-3).
-STRATEGIES = {"routine": (2, 0, 4, 1), "brand": (4, 0, 1, 2), "retriever": (1, 0, 1, 4), "taste": (1, 3, 1, 1)}
-# assumption: how often the teacher tries each strategy first (an LLM teacher has habits too); mostly the
-# strongest one, so a small model sees one way of reasoning most of the time.
-STRATEGY_PRIOR = (0.85, 0.05, 0.05, 0.05)
+                   "real": dict(codebook=256, history=6, title_words=5, max_eval=0)}
+# What the teacher weighs for each candidate, with the number of values each piece of evidence takes.
+EVIDENCE = {"last": 2,     # same brand as the last history item (0/1)
+            "brand": 3,    # history items of its brand (0-2)
+            "cat": 2,      # its category is in the history (0/1)
+            "follow": 6,   # rank of its category among those bought right after the last item's: 1-3, 4 = 4th-5th,
+                           # 5 = 6th-10th, 0 = rarer or never (from training purchases: the teacher's knowledge of routines)
+            "words": 4,    # title words shared with the last history item (0-3)
+            "pos": 10}     # retriever position, 0 for c1 ... 9 for c10 (the trace's c-number says it)
+WEIGHT_SCALE = 9  # assumption: the largest fitted weight is rounded to 9, so a score is a sum of one-digit numbers
 
 
 # ----------------------------------------------------------------------------- 1. catalogues: catalogue.py
@@ -188,50 +195,94 @@ def leaf_of(item):
     return item["categories"][0][-1].lower() if item["categories"] and item["categories"][0] else "none"
 
 
+PLACEHOLDER_TITLE = re.compile(r"title_\d+")  # source rows without a real title ("title_495"): no evidence
+
+
 def brand_of(item):
-    """The brand the reasoning cites: the title's first word. The item files carry no brand field (the synthetic
-    titles start with the brand by construction; for Beauty the first word is a proxy, "the" or "new" at times)."""
-    return (words(item["title"]) or ["none"])[0]
+    """The brand the reasoning cites: the title's first word (the item files carry no brand field; the synthetic
+    titles start with the brand by construction, for a real catalogue it is a proxy), None for a placeholder."""
+    w = words(item["title"])
+    return None if not w or PLACEHOLDER_TITLE.fullmatch(item["title"].strip()) else w[0]
 
 
-def next_leaf_table(items, train_seqs):
-    """For every leaf, the leaf most often bought right after it in training sequences (the routine)."""
+def title_terms(item):
+    """The title's words after the brand: 3 letters or more, no numbers (sizes and counts are not taste)."""
+    if brand_of(item) is None:
+        return set()
+    return {w for w in words(item["title"])[1:] if len(w) > 2 and not w.isdigit()}
+
+
+def routine_ranks(items, train_seqs):
+    """{category: {category bought right after it: rank}}, 1 = the commonest, from training sequences only."""
     trans = defaultdict(Counter)
     for s in train_seqs:
         for a, b in zip(s, s[1:]):
             trans[leaf_of(items[a])][leaf_of(items[b])] += 1
-    return {leaf: c.most_common(1)[0][0] for leaf, c in trans.items()}
+    return {leaf: {nxt: r for r, (nxt, _) in enumerate(c.most_common(), 1)} for leaf, c in trans.items()}
 
 
-def evidence(items, history, cands, next_leaf):
-    """Per candidate: (history items of its brand, capped at 2; its category in the history, 0/1;
-    its category is the routine's next, 0/1; in the retriever's top 3, 0/1). All checkable in the prompt."""
-    brands = Counter(brand_of(items[h]) for h in history)
-    leaves = Counter(leaf_of(items[h]) for h in history)
-    nxt = next_leaf.get(leaf_of(items[history[-1]]), "none")
-    return [(min(brands[brand_of(items[c])], 2), min(leaves[leaf_of(items[c])], 1),
-             int(leaf_of(items[c]) == nxt), int(pos < 3)) for pos, c in enumerate(cands)]
+def evidence(items, history, cands, routine):
+    """One tuple per candidate: its value of each piece of EVIDENCE, in that order. All checkable in the prompt."""
+    last = items[history[-1]]
+    brands = Counter(b for b in map(brand_of, (items[h] for h in history)) if b)
+    leaves = {leaf_of(items[h]) for h in history}
+    after, last_words = routine.get(leaf_of(last), {}), title_terms(last)
+    rows = []
+    for pos, c in enumerate(cands):
+        brand, r = brand_of(items[c]), after.get(leaf_of(items[c]), 0)
+        follow = 0 if not r or r > 10 else r if r <= 3 else 4 if r <= 5 else 5
+        rows.append((int(brand is not None and brand == brand_of(last)), min(brands[brand], 2) if brand else 0,
+                     int(leaf_of(items[c]) in leaves), follow, min(len(title_terms(items[c]) & last_words), 3), pos))
+    return rows
+
+
+def fit_teacher(evidences, targets):
+    """Integer weights {evidence: [weight of each value]} fitted on training examples.
+
+    A conditional logit: P(candidate j) = softmax_j(sum_k W_k[e_jk]), the target's likelihood maximised by
+    L-BFGS with a small L2 penalty. Each table is shifted to a minimum of 0 (every candidate has one value
+    of each, so no ranking changes) and all are scaled so the largest is WEIGHT_SCALE, then rounded.
+    """
+    sizes = list(EVIDENCE.values())
+    offsets = torch.tensor(np.cumsum([0] + sizes[:-1]))
+    columns = torch.tensor(evidences) + offsets  # (examples, 10 candidates, pieces of evidence)
+    X = torch.zeros(*columns.shape[:2], sum(sizes), dtype=torch.float64).scatter_(2, columns, 1.0)
+    y = torch.tensor(targets)
+    w = torch.zeros(sum(sizes), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(X @ w, y) + 1e-3 * (w ** 2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    tables = [t - t.min() for t in w.detach().split(sizes)]
+    top = max(float(t.max()) for t in tables) or 1.0
+    return {k: [int(round(v)) for v in (t * WEIGHT_SCALE / top).tolist()] for k, t in zip(EVIDENCE, tables)}
 
 
 def rank_by(ev, weights):
-    """Candidate positions sorted by score (high first), ties kept in retriever order."""
-    scores = [sum(w * f for w, f in zip(weights, e)) for e in ev]
+    """Candidate positions sorted by score (high first), ties kept in retriever order; and the scores."""
+    scores = [sum(weights[k][v] for k, v in zip(EVIDENCE, e)) for e in ev]
     return sorted(range(len(ev)), key=lambda p: -scores[p]), scores
 
 
-def teacher_trace(items, sid, history, cands, target, next_leaf, rng):
-    """(reasoning, answer) of a sampled strategy that puts the target first, or None when none does."""
-    ev = evidence(items, history, cands, next_leaf)
-    for name in rng.choice(list(STRATEGIES), size=len(STRATEGIES), replace=False, p=STRATEGY_PRIOR):
-        order, scores = rank_by(ev, STRATEGIES[name])
-        if cands[order[0]] == target:
-            last = leaf_of(items[history[-1]])
-            lines = [f"last {last} -> {next_leaf.get(last, 'none')} ; strategy {name}"]
-            lines += [f"c{p + 1} {brand_of(items[c])} {leaf_of(items[c])} brand{b} cat{k} next{n} top{t} = {s} ;"
-                      for p, (c, (b, k, n, t), s) in enumerate(zip(cands, ev, scores))]
-            lines += ["ranking :"] + [f"{scores[p]} c{p + 1} {sid[cands[p]]} ;" for p in order]
-            return "<think>\n" + "\n".join(lines) + "\n</think>", "\n\n[" + "".join(sid[cands[p]] for p in order) + "]"
-    return None
+def teacher_trace(items, sid, history, cands, target, routine, weights):
+    """(reasoning, answer) when the teacher's ranking puts the target first, else None."""
+    ev = evidence(items, history, cands, routine)
+    order, scores = rank_by(ev, weights)
+    if cands[order[0]] != target:
+        return None
+    last = leaf_of(items[history[-1]])
+    after = routine.get(last, {})
+    lines = [f"last {last} -> {min(after, key=after.get) if after else 'none'}"]
+    lines += [f"c{p + 1} {brand_of(items[c]) or 'none'} {leaf_of(items[c])} "
+              + " ".join(f"{k}{v}" for k, v in zip(EVIDENCE, e) if k != "pos") + f" = {s} ;"
+              for p, (c, e, s) in enumerate(zip(cands, ev, scores))]
+    lines += ["ranking :"] + [f"{scores[p]} c{p + 1} {sid[cands[p]]} ;" for p in order]
+    return "<think>\n" + "\n".join(lines) + "\n</think>", "\n\n[" + "".join(sid[cands[p]] for p in order) + "]"
 
 
 # ----------------------------------------------------------------------------- 5. prompts and tokenizer
@@ -288,10 +339,11 @@ def tokenize(tok, prompt, reasoning, answer):
 
 # ----------------------------------------------------------------------------- 6. build everything
 def build(args, log=print):
-    d = SOURCE_DEFAULTS[args.source]
-    codebook, history_cap, title_words = (args.codebook or d["codebook"], args.history or d["history"],
+    name = "synthetic" if not args.raw else catalogue_name(args.raw)
+    d = SOURCE_DEFAULTS["synthetic" if not args.raw else "real"]
+    codebook, history_cap, words_shown = (args.codebook or d["codebook"], args.history or d["history"],
                                           args.title_words or d["title_words"])
-    if args.source == "synthetic":
+    if not args.raw:
         raw_items, raw_users = make_synthetic(args.seed, args.users)
         raw_dir = Path(args.tmp) / "raw"
         write_jsonl_layout(raw_items, raw_users, raw_dir, "synthetic")
@@ -305,7 +357,7 @@ def build(args, log=print):
     short = [i for i, s in enumerate(seqs) if len(s) < 3]
     if short:
         raise DataError(f"{raw_dir}: user #{short[0] + 1} has {len(seqs[short[0]])} items: leave-one-out needs at least 3")
-    log(f"catalogue: {len(seqs)} users, {len(items)} items, {sum(map(len, seqs))} interactions")
+    log(f"catalogue {name}: {len(seqs)} users, {len(items)} items, {sum(map(len, seqs))} interactions")
 
     codes = semantic_ids(items, codebook, args.seed)
     sid = [metrics.sid_str(*c) for c in codes]
@@ -315,12 +367,11 @@ def build(args, log=print):
 
     train_seqs = [s[:-2] for s in seqs]  # only training positions feed the retriever and the teacher
     retriever = CoocRetriever(len(items)).fit(train_seqs)
-    next_leaf = next_leaf_table(items, train_seqs)
+    routine = routine_ranks(items, train_seqs)
     splits = {"train": [(u, t) for u, s in enumerate(seqs) for t in range(1, len(s) - 2)],
               "valid": [(u, len(s) - 2) for u, s in enumerate(seqs)],
               "test": [(u, len(s) - 1) for u, s in enumerate(seqs)]}
-    rng = np.random.default_rng(args.seed)
-    data, stats_examples, all_examples, kept, tried = {}, {}, {}, 0, 0
+    examples = {}  # split -> [(user, position, history shown, candidates)] whose target is a candidate
     for split, pairs in splits.items():
         hists = [seqs[u][:t] for u, t in pairs]
         own = [train_seqs[u] for u, _ in pairs] if split == "train" else None
@@ -329,22 +380,26 @@ def build(args, log=print):
             ranks = [top.index(seqs[u][t]) + 1 if seqs[u][t] in top else 0 for (u, t), top in zip(pairs, tops)]
             recall10 = float(np.mean([r > 0 for r in ranks]))
             ndcg10 = float(np.mean([1 / math.log2(r + 1) if r else 0 for r in ranks]))
+        examples[split] = [(u, t, hist[-history_cap:], cands) for (u, t), hist, cands in zip(pairs, hists, tops)
+                           if seqs[u][t] in cands]
+    weights = fit_teacher([evidence(items, h, c, routine) for _, _, h, c in examples["train"]],
+                          [c.index(seqs[u][t]) for u, t, _, c in examples["train"]])
+    log("teacher weights (fitted on training examples): " + json.dumps(weights))
+
+    data, stats_examples, all_examples, kept = {}, {}, {}, 0
+    for split, exs in examples.items():
         rows = []
-        for (u, t), hist, cands in zip(pairs, hists, tops):
+        for u, t, hist, cands in exs:
             target = seqs[u][t]
-            if target not in cands:
-                continue
-            hist = hist[-history_cap:]
             reasoning, answer = "", ""
             if split == "train":
-                tried += 1
-                trace = teacher_trace(items, sid, hist, cands, target, next_leaf, rng)
+                trace = teacher_trace(items, sid, hist, cands, target, routine, weights)
                 if trace is None:
                     continue
                 kept += 1
                 reasoning, answer = trace
             rows.append({"id": f"{split}-u{u}-t{t}", "user": u, "history": hist, "candidates": cands,
-                         "target": target, "prompt": prompt_text(items, sid, hist, cands, title_words),
+                         "target": target, "prompt": prompt_text(items, sid, hist, cands, words_shown),
                          "reasoning": reasoning, "answer": answer})
         all_examples[split] = len(rows)
         max_eval = d["max_eval"] if args.max_eval is None else args.max_eval
@@ -352,7 +407,7 @@ def build(args, log=print):
             rows = [rows[i] for i in sorted(np.random.default_rng(args.seed).choice(len(rows), max_eval, replace=False))]
         data[split] = rows
         stats_examples[split] = len(rows)
-        log(f"{split}: {len(pairs)} positions -> {all_examples[split]} re-rank examples" +
+        log(f"{split}: {len(splits[split])} positions -> {all_examples[split]} re-rank examples" +
             (f", a seeded subset of {len(rows)} kept" if len(rows) < all_examples[split] else ""))
     log(f"retriever on the full test split: Recall@10 {recall10:.4f}  NDCG@10 {ndcg10:.4f}")
 
@@ -360,8 +415,8 @@ def build(args, log=print):
     if args.tokenizer == "word":
         # the vocabulary comes from training text and item metadata only: nothing of valid/test moves an id
         corpus = [r["prompt"] + " " + r["reasoning"] + " " + r["answer"] for r in data["train"]]
-        corpus += [item_line(it, "", title_words) for it in items]
-        tok = build_word_tokenizer(corpus + [" ".join(STRATEGIES) + " user assistant system"], sid_tokens)
+        corpus += [item_line(it, "", words_shown) for it in items]
+        tok = build_word_tokenizer(corpus + ["user assistant system"], sid_tokens)
     else:
         tok = load_hub_tokenizer(args.tokenizer, sid_tokens)
     for rows in data.values():
@@ -370,20 +425,18 @@ def build(args, log=print):
             if not r["reasoning"]:
                 r["response_ids"], r["n_reasoning"] = [], 0
 
-    floor = metrics.summarize(metrics.floor_rows(data["test"]))
-    train = data["train"]
-    evid = {}
-    for name, w in STRATEGIES.items():  # what each strategy alone would score on the test examples
-        ranked = [[ex["candidates"][p] for p in rank_by(evidence(items, ex["history"], ex["candidates"], next_leaf), w)[0]]
-                  for ex in data["test"]]
-        evid[name] = float(np.mean([r[0] == ex["target"] for r, ex in zip(ranked, data["test"])]))
-    stats = {"source": args.source, "users": len(seqs), "items": len(items), "interactions": sum(map(len, seqs)),
+    test, train = data["test"], data["train"]
+    floor = metrics.summarize(metrics.floor_rows(test))
+    teacher = [metrics.rank_metrics([ex["candidates"][p] for p in rank_by(
+        evidence(items, ex["history"], ex["candidates"], routine), weights)[0]], ex["target"]) for ex in test]
+    stats = {"source": name, "users": len(seqs), "items": len(items), "interactions": sum(map(len, seqs)),
              "sid_unique_rate": sid_unique, "sid_prefix_unique_rate": prefix_unique, "codebook": codebook,
              "retriever_recall@10": recall10, "retriever_ndcg@10": ndcg10, "examples": stats_examples,
              "examples_before_cap": all_examples,
-             "teacher_kept_rate": kept / max(tried, 1),
+             "teacher_kept_rate": kept / max(len(examples["train"]), 1),
              "floor": {k: floor[k] for k in metrics.METRIC_KEYS},
-             "strategy_recall@1_test": evid,
+             "teacher": {k: float(np.mean([r[k] for r in teacher])) for k in metrics.METRIC_KEYS},
+             "teacher_weights": weights,
              "tokens": {"prompt_mean": float(np.mean([len(r["prompt_ids"]) for r in train])),
                         "reasoning_mean": float(np.mean([r["n_reasoning"] for r in train])),
                         "answer_mean": float(np.mean([len(r["response_ids"]) - r["n_reasoning"] for r in train]))},
@@ -439,20 +492,22 @@ def max_new_tokens(train, block=32):
 def main(argv=None):
     from plumbing import HelpFormatter  # the shared --help layout; imported here because only the command line needs it
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    ap.add_argument("--source", choices=["synthetic", "beauty"], default="synthetic", help="which catalogue to build from")
-    ap.add_argument("--raw", help="directory of the real data (JSONL layout or McAuley's 2014 .json.gz files)")
-    ap.add_argument("--out", help="output directory (default data/<source>)")
+    ap.add_argument("--raw", help="a real catalogue's folder (JSONL layout, or McAuley's 2014 .json.gz files); "
+                    "without it, the built-in synthetic one")
+    ap.add_argument("--out", help="output directory (default data/<catalogue name>: data/synthetic, data/beauty, ...)")
     ap.add_argument("--tokenizer", default="word", help="'word' builds a small word-level tokenizer; or a Qwen3 hub id / folder")
     ap.add_argument("--seed", type=int, default=0, help="seed for the synthetic world, k-means and the teacher")
     ap.add_argument("--users", type=int, default=8000, help="synthetic only: number of users")
     ap.add_argument("--codebook", type=int, default=0, help="codes per SID level (0 = 256, TIGER's size)")
-    ap.add_argument("--history", type=int, default=0, help="history items shown in the prompt (0 = default: 5 synthetic, 6 beauty)")
-    ap.add_argument("--max-eval", type=int, default=None, help="cap on valid/test examples, a seeded subset (default: 500 synthetic, all beauty)")
-    ap.add_argument("--title-words", type=int, default=0, help="words of each title shown (0 = default: 3 synthetic, 5 beauty)")
+    ap.add_argument("--history", type=int, default=0, help="history items shown in the prompt (0 = default: 5 synthetic, 6 real)")
+    ap.add_argument("--max-eval", type=int, default=None, help="cap on valid/test examples, a seeded subset (default: 500 synthetic, all real)")
+    ap.add_argument("--title-words", type=int, default=0, help="words of each title shown (0 = default: 3 synthetic, 5 real)")
     args = ap.parse_args(argv)
-    if args.source == "beauty" and not args.raw:
-        ap.error("--source beauty needs --raw DIR")
-    out = Path(args.out or f"data/{args.source}")
+    try:
+        out = Path(args.out or f"data/{catalogue_name(args.raw) if args.raw else 'synthetic'}")
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args.tmp = str(out.parent / f".{out.name}.tmp{os.getpid()}")
     print("config:", json.dumps({k: v for k, v in vars(args).items() if k != "tmp"}))
     try:

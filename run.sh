@@ -3,17 +3,17 @@
 #
 #   bash run.sh                                   # the synthetic task on a CPU, every stage at its script's defaults
 #   bash run.sh --device cuda --out out-gpu       # the same on a GPU
-#   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # Amazon Beauty 2014, 5-core
+#   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # a real catalogue -> data/beauty
 #
 # Every stage is the paper's recipe (METHOD.md); each is also a script of its own, and this prints its command.
 # A finished stage (its metrics.json exists) is skipped; an interrupted one resumes from OUT/<stage>/last.
 set -euo pipefail
 cd "$(dirname "$0")"
 
-SOURCE=synthetic RAW="" OUT=out DEVICE=cpu
+NAME=synthetic RAW="" OUT=out DEVICE=cpu
 while [ $# -gt 0 ]; do
   case "$1" in
-    --data) SOURCE="$2"; shift 2 ;;
+    --data) NAME="$2"; shift 2 ;;
     --raw) RAW="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --device) DEVICE="$2"; shift 2 ;;
@@ -21,10 +21,11 @@ while [ $# -gt 0 ]; do
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
-case "$SOURCE" in synthetic|beauty) ;; *) echo "run.sh: --data is synthetic or beauty, not '$SOURCE'" >&2; exit 2 ;; esac
-if [ "$SOURCE" = beauty ] && [ -z "$RAW" ]; then echo "run.sh: --data beauty needs --raw DIR" >&2; exit 2; fi
+if [ "$NAME" != synthetic ] && [ -z "$RAW" ] && [ ! -f "data/$NAME/stats.json" ]; then
+  echo "run.sh: --data $NAME is not built yet: give its catalogue folder with --raw DIR" >&2; exit 2
+fi
 
-DATA="data/$SOURCE"
+DATA="data/$NAME"
 TIMES=""
 stage() {  # stage NAME COMMAND...: run it unless OUT/NAME/metrics.json says it finished, and note its time
   local name="$1"; shift
@@ -39,7 +40,7 @@ stage() {  # stage NAME COMMAND...: run it unless OUT/NAME/metrics.json says it 
 mkdir -p "$OUT"
 T0=$SECONDS
 if [ ! -f "$DATA/stats.json" ]; then
-  stage data python data.py --source "$SOURCE" --out "$DATA" ${RAW:+--raw "$RAW"}
+  stage data python data.py --out "$DATA" ${RAW:+--raw "$RAW"}
 fi
 D="--data $DATA --device $DEVICE"
 stage sft    python sft.py $D --out "$OUT/sft"

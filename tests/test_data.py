@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def build(tmp_path, raw=None, seed=0, users=300):
-    args = Namespace(source="beauty" if raw else "synthetic", raw=raw, seed=seed, users=users, codebook=0, history=0,
+    args = Namespace(raw=raw, seed=seed, users=users, codebook=0, history=0,
                      title_words=0, max_eval=None, tokenizer="word", tmp=str(tmp_path / f"tmp{seed}{users}{bool(raw)}"))
     return data.build(args, log=lambda *a: None)
 
@@ -63,6 +63,7 @@ def test_validation_and_test_items_never_reach_training(tmp_path):
         catalogue.write_jsonl_layout(items, us, raw, "toy")
         outs.append(build(tmp_path, raw=str(raw)))
     assert outs[0][0]["train"] == outs[1][0]["train"]
+    assert outs[0][-1]["source"] == "toy"  # a real catalogue is named after its files
     assert outs[0][0]["test"] != outs[1][0]["test"]  # (the test split does change)
 
 
@@ -88,6 +89,53 @@ def test_the_answer_follows_the_stated_scores(small):
         ranked = [ln.split()[1] for ln in lines[lines.index("ranking :") + 1:-1]]
         key = lambda tag: (-scores[tag], int(tag[1:]))
         assert ranked == sorted(scores, key=key)
+
+
+def test_each_stated_score_adds_the_teachers_weights(small):
+    """A score in the trace is the sum of the fitted weights of the evidence the line states (and its position)."""
+    splits, _, _, _, _, stats = small
+    weights = stats["teacher_weights"]
+    named = [k for k in weights if k != "pos"]  # the pieces a line states, in order; the c-number gives the position
+    for ex in splits["train"][:50]:
+        for line in ex["reasoning"].split("\n"):
+            if line.startswith("c") and " = " in line:
+                stated, score = line.split(" = ")
+                tag, _brand, _leaf, *pieces = stated.split()
+                assert [p.rstrip("0123456789") for p in pieces] == named, line
+                total = sum(weights[k][int(p[len(k):])] for k, p in zip(named, pieces))
+                assert total + weights["pos"][int(tag[1:]) - 1] == int(score.split()[0]), line
+
+
+def test_the_fitted_teacher_finds_a_planted_rule():
+    """Targets chosen by a known rule (the candidate whose brand matches the last item, else the first category that
+    follows): the fitted weights rank the planted evidence highest and put the target first."""
+    rng = __import__("numpy").random.default_rng(0)
+    evidences, targets = [], []
+    for _ in range(400):
+        ev = [(0, int(rng.integers(3)), int(rng.integers(2)), int(rng.integers(6)), int(rng.integers(4)), p) for p in range(10)]
+        j = int(rng.integers(10))
+        ev[j] = (1,) + ev[j][1:]
+        evidences.append(ev)
+        targets.append(j)
+    weights = data.fit_teacher(evidences, targets)
+    assert weights["last"] == [0, 9] and max(max(t) for t in weights.values()) == 9
+    assert all(data.rank_by(ev, weights)[0][0] == t for ev, t in zip(evidences, targets))
+
+
+def test_placeholder_titles_are_not_evidence():
+    items = [{"title": "title_495", "categories": [["Beauty", "Hair"]]}, {"title": "title_12", "categories": [["Beauty", "Skin"]]},
+             {"title": "Belle silk shampoo", "categories": [["Beauty", "Hair"]]}]
+    assert data.brand_of(items[0]) is None and data.title_terms(items[0]) == set()
+    assert data.brand_of(items[2]) == "belle" and data.title_terms(items[2]) == {"silk", "shampoo"}
+    last, brand, cat, follow, words, pos = data.evidence(items, [0], [1, 2], {})[0]
+    assert (last, brand, words) == (0, 0, 0)  # two placeholders share no brand
+
+
+def test_the_teacher_beats_the_floor_and_is_reported(small):
+    stats = small[-1]
+    assert stats["source"] == "synthetic"
+    assert stats["teacher"]["recall@1"] > stats["floor"]["recall@1"] + 0.05
+    assert 0 < stats["teacher_kept_rate"] < 1
 
 
 def test_tokenized_lengths_and_reasoning_split(small):
@@ -158,7 +206,7 @@ def test_bad_input_is_reported_and_nothing_is_written(tmp_path, case, capsys):
     for name, text in (files or {}).items():
         raw.mkdir(exist_ok=True)
         (raw / name).write_bytes(text if isinstance(text, bytes) else text.encode())
-    assert data.main(["--source", "beauty", "--raw", str(raw), "--out", str(tmp_path / "new" / "out")]) == 2
+    assert data.main(["--raw", str(raw), "--out", str(tmp_path / "new" / "out")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {raw}{expected}")
     assert [p.name for p in tmp_path.iterdir()] == (["raw"] if files else [])  # no output, temporary or parent folder
 
@@ -166,7 +214,7 @@ def test_bad_input_is_reported_and_nothing_is_written(tmp_path, case, capsys):
 def test_a_rebuild_replaces_the_folder_and_leaves_nothing_beside_it(tmp_path):
     out = tmp_path / "syn"
     for users in (150, 160):
-        assert data.main(["--source", "synthetic", "--users", str(users), "--out", str(out)]) in (0, None)
+        assert data.main(["--users", str(users), "--out", str(out)]) in (0, None)
     assert json.loads((out / "stats.json").read_text())["users"] == 160
     assert sorted(p.name for p in tmp_path.iterdir()) == ["syn"]  # no temporary or old folder left
 

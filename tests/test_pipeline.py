@@ -265,7 +265,7 @@ def test_run_sh_runs_every_stage_in_order_and_skips_a_finished_one(tmp_path):
                     "--device", "cuda"], check=True, env=env, capture_output=True)
     calls = (tmp_path / "calls").read_text().splitlines()
     if not (ROOT / "data" / "beauty" / "stats.json").exists():  # run.sh skips data.py for a folder already built
-        assert calls.pop(0).split()[:5] == ["data.py", "--source", "beauty", "--out", "data/beauty"]
+        assert calls.pop(0).split()[:5] == ["data.py", "--out", "data/beauty", "--raw", "RAW"]
     assert [c.split()[0] for c in calls] == ["cft.py", "cft.py", "opd.py", "rl.py", "report.py"]
     assert "--steps 0" in calls[0] and f"--out {out}/naive" in calls[0] and f"--init {out}/opd" in calls[3]
     assert all("--device cuda" in c and "--data " in c for c in calls)
