@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import eval as metrics
 from catalogue import DataError, catalogue_name, load_catalogue, make_synthetic, read_jsonl_layout, write_jsonl_layout
@@ -177,10 +178,10 @@ class CoocRetriever:
                     S[r, j] -= H[r, i] * w
         return S.clamp_min(0) / self.norm
 
-    def top_k(self, histories, k=10, own_seqs=None, chunk=2048):
+    def top_k(self, histories, k=10, own_seqs=None, chunk=2048, desc="retriever"):
         """The top-k items (retriever order) for each history."""
         out = []
-        for s in range(0, len(histories), chunk):
+        for s in tqdm(range(0, len(histories), chunk), desc=desc, unit="chunk", leave=False):
             S = self.scores(histories[s:s + chunk], own_seqs[s:s + chunk] if own_seqs else None)
             S = S + 1e-9 * self.count / self.count.max()  # popularity backfill and tie-break
             for r, hist in enumerate(histories[s:s + chunk]):
@@ -375,13 +376,14 @@ def build(args, log=print):
     for split, pairs in splits.items():
         hists = [seqs[u][:t] for u, t in pairs]
         own = [train_seqs[u] for u, _ in pairs] if split == "train" else None
-        tops = retriever.top_k(hists, 10, own)
+        tops = retriever.top_k(hists, 10, own, desc=f"retriever, {split}")
         if split == "test":
             ranks = [top.index(seqs[u][t]) + 1 if seqs[u][t] in top else 0 for (u, t), top in zip(pairs, tops)]
             recall10 = float(np.mean([r > 0 for r in ranks]))
             ndcg10 = float(np.mean([1 / math.log2(r + 1) if r else 0 for r in ranks]))
         examples[split] = [(u, t, hist[-history_cap:], cands) for (u, t), hist, cands in zip(pairs, hists, tops)
                            if seqs[u][t] in cands]
+    log(f"teacher: fitting its evidence weights on {len(examples['train'])} training examples")
     weights = fit_teacher([evidence(items, h, c, routine) for _, _, h, c in examples["train"]],
                           [c.index(seqs[u][t]) for u, t, _, c in examples["train"]])
     log("teacher weights (fitted on training examples): " + json.dumps(weights))
