@@ -283,7 +283,12 @@ def teacher_trace(items, sid, history, cands, target, routine, weights):
               + " ".join(f"{k}{v}" for k, v in zip(EVIDENCE, e) if k != "pos") + f" = {s} ;"
               for p, (c, e, s) in enumerate(zip(cands, ev, scores))]
     lines += ["ranking :"] + [f"{scores[p]} c{p + 1} {sid[cands[p]]} ;" for p in order]
-    return "<think>\n" + "\n".join(lines) + "\n</think>", "\n\n[" + "".join(sid[cands[p]] for p in order) + "]"
+    return "<think>\n" + "\n".join(lines) + "\n</think>", answer_text(sid, cands, order)
+
+
+def answer_text(sid, cands, order):
+    """The answer of every trace: the candidates' SIDs in ranked order (`order` holds candidate positions)."""
+    return "\n\n[" + "".join(sid[cands[p]] for p in order) + "]"
 
 
 # ----------------------------------------------------------------------------- 5. prompts and tokenizer

@@ -4,20 +4,22 @@
 #   bash run.sh                                   # the synthetic task on a CPU, every stage at its script's defaults
 #   bash run.sh --device cuda --out out-gpu       # the same on a GPU
 #   bash run.sh --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # a real catalogue -> data/beauty
+#   bash run.sh --warmup ...                      # first teach the random-init model to copy SIDs (warmup.py)
 #
 # Every stage is the paper's recipe (METHOD.md); each is also a script of its own, and this prints its command.
 # A finished stage (its metrics.json exists) is skipped; an interrupted one resumes from OUT/<stage>/last.
 set -euo pipefail
 cd "$(dirname "$0")"
 
-NAME=synthetic RAW="" OUT=out DEVICE=cpu
+NAME=synthetic RAW="" OUT=out DEVICE=cpu WARMUP=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --data) NAME="$2"; shift 2 ;;
     --raw) RAW="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --device) DEVICE="$2"; shift 2 ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    --warmup) WARMUP=1; shift ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -43,7 +45,10 @@ if [ ! -f "$DATA/stats.json" ]; then
   stage data python data.py --out "$DATA" ${RAW:+--raw "$RAW"}
 fi
 D="--data $DATA --device $DEVICE"
-stage sft    python sft.py $D --out "$OUT/sft"
+if [ -n "$WARMUP" ]; then
+  stage warmup python warmup.py $D --out "$OUT/warmup"
+fi
+stage sft    python sft.py $D --out "$OUT/sft" ${WARMUP:+--model "$OUT/warmup"}
 stage naive  python cft.py $D --init "$OUT/sft" --out "$OUT/naive" --steps 0
 stage cft    python cft.py $D --init "$OUT/sft" --out "$OUT/cft"
 stage opd    python opd.py $D --init "$OUT/cft" --teacher "$OUT/sft" --out "$OUT/opd"

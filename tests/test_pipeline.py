@@ -17,6 +17,7 @@ import opd
 import report
 import rl
 import sft
+import warmup
 from conftest import QWEN, ROOT, build_data
 from plumbing import load_checkpoint, read_jsonl, resolve_dtype
 
@@ -225,7 +226,7 @@ def test_a_stage_given_the_wrong_kind_of_checkpoint_exits_with_a_clear_message(r
         {"opd": opd, "rl": rl, "cft": cft}[script].main(argv)
 
 
-@pytest.mark.parametrize("script", [sft, cft, opd, rl, decode, data, report])
+@pytest.mark.parametrize("script", [warmup, sft, cft, opd, rl, decode, data, report])
 def test_every_script_answers_help(script, capsys):
     """--help renders every flag's help (a stray % in a help string would crash argparse only here)."""
     with pytest.raises(SystemExit) as exit_:
@@ -269,6 +270,13 @@ def test_run_sh_runs_every_stage_in_order_and_skips_a_finished_one(tmp_path):
     assert [c.split()[0] for c in calls] == ["cft.py", "cft.py", "opd.py", "rl.py", "report.py"]
     assert "--steps 0" in calls[0] and f"--out {out}/naive" in calls[0] and f"--init {out}/opd" in calls[3]
     assert all("--device cuda" in c and "--data " in c for c in calls)
+    (tmp_path / "calls").unlink()
+    subprocess.run(["bash", str(ROOT / "run.sh"), "--warmup", "--out", str(tmp_path / "w")], check=True, env=env,
+                   capture_output=True)  # the synthetic data may or may not be built here: look from the warm-up on
+    calls = (tmp_path / "calls").read_text().splitlines()
+    calls = calls[[c.split()[0] for c in calls].index("warmup.py"):]
+    assert [c.split()[0] for c in calls][:3] == ["warmup.py", "sft.py", "cft.py"]
+    assert f"--out {tmp_path}/w/warmup" in calls[0] and f"--model {tmp_path}/w/warmup" in calls[1]
     bad = subprocess.run(["bash", str(ROOT / "run.sh"), "--epochs", "3"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument '--epochs'" in bad.stderr
 
