@@ -208,20 +208,21 @@ def add_runtime_args(ap):
     ap.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
 
 
-def add_training_args(ap, steps, lr, warmup, eval_every, batch_size=None, token_weights=True, tau_n=True):
+def add_training_args(ap, steps, lr, warmup, eval_every, batch_size=None, token_weights=True, tau_n=True, test=True):
     """The flags every training stage shares, with the stage's own defaults."""
     ap.add_argument("--data", default="data/synthetic", help="folder written by data.py")
     ap.add_argument("--steps", type=int, default=steps, help="optimizer steps")
     if batch_size:  # OPD and RL count prompts per step instead
         ap.add_argument("--batch-size", type=int, default=batch_size, help="examples per step")
     ap.add_argument("--lr", type=float, default=lr, help="peak learning rate (warm-up, then cosine to 10%%)")
-    ap.add_argument("--warmup", type=int, default=warmup, help="warm-up steps")
+    ap.add_argument("--warmup", type=int, default=warmup, help="learning-rate warm-up steps")
     if token_weights:  # assumption: lambda_r = 0.5, lambda_o = 1.0 (the paper names the weights, not their values)
         ap.add_argument("--lambda-r", type=float, default=0.5, help="loss weight of reasoning tokens")
         ap.add_argument("--lambda-o", type=float, default=1.0, help="loss weight of answer tokens")
     ap.add_argument("--eval-every", type=int, default=eval_every, help="validate and save OUT/last every this many steps")
     ap.add_argument("--val-n", type=int, default=100, help="validation examples decoded at each evaluation")
-    ap.add_argument("--test-n", type=int, default=0, help="test examples for the final metrics (0 = all)")
+    if test:  # every stage but the warm-up ends with a test
+        ap.add_argument("--test-n", type=int, default=0, help="test examples for the final metrics (0 = all)")
     if tau_n:
         ap.add_argument("--tau-n", type=int, default=200,
                         help="test examples for the faster thresholds 0.9 / 0.6 / 0.4 (0 = all)")

@@ -43,12 +43,14 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--out", default="out/warmup", help="checkpoint folder to write (sft.py reads it with --model)")
     ap.add_argument("--model", default="tiny", help=f"a random-init preset ({', '.join(PRESETS)}) or a local folder")
-    add_training_args(ap, steps=300, batch_size=32, lr=3e-3, warmup=30, eval_every=100, tau_n=False)
+    add_training_args(ap, steps=2000, batch_size=32, lr=3e-3, warmup=30, eval_every=250, tau_n=False, test=False)
     args = ap.parse_args(argv)
     check_positive(ap, args, "batch_size", "eval_every")
     return args
 
 
+# assumption: the warm-up reuses the training prompts and the teacher's ranking-line layout (without scores), so
+# it adds no data and teaches copying in the very context SFT needs it; the paper has no such stage.
 def copy_example(ex, sid, tok, rng):
     """A training example whose response copies its candidates in a random order (the docstring's layout)."""
     order = rng.permutation(len(ex["candidates"]))

@@ -44,3 +44,27 @@ def test_warmup_writes_a_checkpoint_that_sft_starts_from(tiny_data, tmp_path):
     loaded = create_model(str(out), AutoTokenizer.from_pretrained(out))
     moved = [not torch.equal(a, b) for a, b in zip(micro.state_dict().values(), loaded.state_dict().values())]
     assert any(moved)  # two steps of training changed the micro init, and sft.py --model OUT loads the changed weights
+
+
+def test_copy_accuracy_counts_a_sid_right_only_when_all_four_codes_are(tiny_data, monkeypatch):
+    """With a stand-in for the model's logits: the true next token everywhere, then one code of one SID wrong."""
+    _, valid, _, sid = data.load_splits(tiny_data, 3, 1)
+    tok = AutoTokenizer.from_pretrained(tiny_data / "tokenizer")
+    model = create_model("micro", tok)
+    wrong = {"n": 0}
+
+    def perfect_logits(model, prompts, responses, pad_id):
+        target = torch.tensor([t for r in responses for t in r])
+        logits = torch.nn.functional.one_hot(target, len(tok)).float()
+        codes = [k for k, t in enumerate(target.tolist()) if warmup.SID_CODE.fullmatch(tok.convert_ids_to_tokens(t))]
+        for k in codes[2:2 + wrong["n"]]:  # the 3rd code of the first SID (and on) predicted as another token
+            logits[k] = torch.roll(logits[k], 1)
+        return logits
+
+    monkeypatch.setattr(warmup, "ar_logits", perfect_logits)
+    n_sids = 3 * 2 * len(valid[0]["candidates"])  # each copy response writes every candidate twice (lines, answer)
+    assert warmup.copy_accuracy(model, tok, valid, sid, batch_size=5) == 1.0
+    wrong["n"] = 1
+    assert warmup.copy_accuracy(model, tok, valid, sid, batch_size=5) == (n_sids - 1) / n_sids
+    wrong["n"] = 4  # codes 3-6: the last two of the first SID and the first two of the second
+    assert warmup.copy_accuracy(model, tok, valid, sid, batch_size=5) == (n_sids - 2) / n_sids
