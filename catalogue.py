@@ -1,5 +1,6 @@
 """
-Where the users and items come from: the two catalogues data.py builds the re-ranking task from.
+The catalogue side of the re-ranking task: where the users and items come from (1), the items' semantic
+ids (2) and the retriever that proposes each example's candidates (3). data.py builds the task from them.
 
 Both arrive in one JSONL layout, `*_items.jsonl` (item, item_id, title, categories) and `*_users.jsonl`
 (user, user_id, items in time order), so everything after this file has one code path:
@@ -10,19 +11,25 @@ Both arrive in one JSONL layout, `*_items.jsonl` (item, item_id, title, categori
   brands, and users with lasting tastes plus noise. It is *written* in the layout and read back.
 
 Bad input raises DataError with the file, the line and what is wrong. Nothing here is run on its own:
-`python data.py` calls it.
+`python data.py` calls it (its docstring says what the SIDs and the retriever are).
 """
 import ast
 import gzip
 import html
 import json
+import math
 import os
+import re
+import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
+import torch
+from tqdm import tqdm
 
 
+# ----------------------------------------------------------------------------- 1. catalogues
 class DataError(ValueError):
     """Bad input: the message names the file (and line) and what is wrong with it."""
 
@@ -241,3 +248,127 @@ def write_jsonl_layout(items, users, out_dir, name):
     with open(Path(out_dir) / f"{name}_users.jsonl", "w") as f:
         for u, seq in enumerate(users, 1):
             f.write(json.dumps({"user": f"U{u:05d}", "user_id": u, "items": seq}) + "\n")
+
+
+# ----------------------------------------------------------------------------- 2. semantic ids
+def words(text):
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def item_embeddings(items, dim=64, max_vocab=4096, seed=0):  # assumption: 64 dims of the 4,096 commonest words
+    """TF-IDF of title + category words, reduced to `dim` dimensions by a (seeded) randomized SVD."""
+    docs = [words(it["title"]) + [w for path in it["categories"] for c in path for w in words(c)] for it in items]
+    df = Counter(w for d in docs for w in set(d))
+    # Columns by document frequency, ties alphabetical: never by set order, which changes with PYTHONHASHSEED
+    # (and with it the SVD, the k-means and every SID).
+    vocab = {w: j for j, w in enumerate(sorted(df, key=lambda w: (-df[w], w))[:max_vocab])}
+    X = torch.zeros(len(docs), len(vocab))
+    for i, d in enumerate(docs):
+        for w, c in Counter(d).items():
+            if w in vocab:
+                X[i, vocab[w]] = (1 + math.log(c)) * math.log(len(docs) / df[w])
+    X = X / X.norm(dim=1, keepdim=True).clamp_min(1e-8)
+    torch.manual_seed(seed)
+    U, S, _ = torch.svd_lowrank(X, q=min(dim, min(X.shape) - 1), niter=4)
+    return (U * S).numpy().astype(np.float64)
+
+
+def kmeans(X, k, seed, iters=25):
+    """Plain k-means with k-means++ seeding; returns (assignments, centroids)."""
+    rng = np.random.default_rng(seed)
+    k = min(k, len(X))
+    C = [X[rng.integers(len(X))]]
+    d2 = ((X - C[0]) ** 2).sum(1)
+    for _ in range(1, k):
+        C.append(X[rng.choice(len(X), p=d2 / d2.sum())] if d2.sum() > 0 else X[rng.integers(len(X))])
+        d2 = np.minimum(d2, ((X - C[-1]) ** 2).sum(1))
+    C = np.stack(C)
+    for _ in range(iters):
+        assign = ((X ** 2).sum(1)[:, None] - 2 * X @ C.T + (C ** 2).sum(1)[None]).argmin(1)
+        for j in range(k):
+            if (assign == j).any():
+                C[j] = X[assign == j].mean(0)
+    return assign, C
+
+
+def semantic_ids(items, codebook, seed=0):
+    """(N, 4) codes: 3 levels of residual k-means, then a collision counter that makes each SID unique."""
+    residual = item_embeddings(items, seed=seed)
+    codes = []
+    for level in range(3):
+        assign, C = kmeans(residual, codebook, seed + level)
+        codes.append(assign)
+        residual = residual - C[assign]
+    codes = np.stack(codes, 1)
+    seen = Counter()
+    last = np.zeros(len(items), dtype=np.int64)
+    for i, prefix in enumerate(map(tuple, codes)):
+        last[i] = seen[prefix]
+        seen[prefix] += 1
+    return np.concatenate([codes, last[:, None]], 1)
+
+
+# ----------------------------------------------------------------------------- 3. retriever
+class CoocRetriever:
+    """Item-to-item co-occurrence on training sequences, recency-weighted over the history.
+
+    C[i, j] adds 1/gap for j bought `gap` <= window positions after i, and `back`/gap for before.
+    score(j | history) = sum_h decay^(age of h) * C[h, j] / count(j)^pop_alpha; history items are
+    excluded and popular items backfill when fewer than k items score above zero.
+    """
+
+    # assumption: METHOD.md asks for a retriever whose top 10 are the candidates, not which one; these weights set
+    # the candidate lists and so the floor, which the data's stats.json records
+    def __init__(self, n_items, window=3, back=0.5, decay=0.6, pop_alpha=0.2, max_history=10):
+        self.n, self.window, self.back, self.decay = n_items, window, back, decay
+        self.pop_alpha, self.max_history = pop_alpha, max_history
+
+    def pair_weights(self, seq):
+        """(i, j, w) co-occurrence contributions of one sequence."""
+        out = []
+        for p, i in enumerate(seq):
+            for gap in range(1, self.window + 1):
+                if p + gap < len(seq):
+                    j = seq[p + gap]
+                    out += [(i, j, 1.0 / gap), (j, i, self.back / gap)]
+        return out
+
+    def fit(self, train_seqs):
+        rows, cols, vals = zip(*[t for s in train_seqs for t in self.pair_weights(s)])
+        C = torch.sparse_coo_tensor(torch.tensor([rows, cols]), torch.tensor(vals, dtype=torch.float64),
+                                    (self.n, self.n), check_invariants=True).coalesce()  # cheap at this size
+        self.count = torch.bincount(torch.tensor([i for s in train_seqs for i in s]), minlength=self.n).double()
+        with warnings.catch_warnings():  # CSR is the fast layout for sparse @ dense on CPU; torch calls it beta
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+            self.CT = C.t().coalesce().to_sparse_csr()  # (to, from): scores = CT @ history weights
+        self.norm = self.count.clamp_min(1) ** self.pop_alpha
+        return self
+
+    def history_weights(self, history):
+        hist = history[-self.max_history:]
+        return {h: self.decay ** (len(hist) - 1 - a) for a, h in enumerate(hist)}
+
+    def scores(self, histories, own_seqs=None):
+        """(len(histories), n_items) scores; own_seqs[r] removes that user's own pairs from row r."""
+        H = torch.zeros(len(histories), self.n, dtype=torch.float64)
+        for r, hist in enumerate(histories):
+            for h, w in self.history_weights(hist).items():
+                H[r, h] += w
+        S = torch.sparse.mm(self.CT, H.t()).t()  # (rows, n_items)
+        for r, own in enumerate(own_seqs or []):
+            if own:
+                for i, j, w in self.pair_weights(own):
+                    S[r, j] -= H[r, i] * w
+        return S.clamp_min(0) / self.norm
+
+    def top_k(self, histories, k=10, own_seqs=None, chunk=2048, desc="retriever"):
+        """The top-k items (retriever order) for each history."""
+        out = []
+        for s in tqdm(range(0, len(histories), chunk), desc=desc, unit="chunk", leave=False):
+            S = self.scores(histories[s:s + chunk], own_seqs[s:s + chunk] if own_seqs else None)
+            S = S + 1e-9 * self.count / self.count.max()  # popularity backfill and tie-break
+            for r, hist in enumerate(histories[s:s + chunk]):
+                S[r, list(set(hist))] = -1.0
+            top = torch.topk(S, k, dim=1).indices
+            out += top.tolist()
+        return out

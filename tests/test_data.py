@@ -43,7 +43,7 @@ def test_candidates_keep_the_retriever_order(tmp_path):
     items, users = catalogue.make_synthetic(0, 300)
     index = {it["item"]: i for i, it in enumerate(items)}
     seqs = [[index[a] for a in u] for u in users]
-    retr = data.CoocRetriever(len(items)).fit([s[:-2] for s in seqs])
+    retr = catalogue.CoocRetriever(len(items)).fit([s[:-2] for s in seqs])
     splits = build(tmp_path)[0]
     for ex in splits["test"][:20]:
         hist = seqs[ex["user"]][:-1]
@@ -155,8 +155,8 @@ def test_same_seed_same_data(tmp_path):
 
 def test_semantic_ids_do_not_depend_on_the_hash_seed():
     """Python randomises string hashing per process: set order must never reach the SIDs."""
-    code = ("import catalogue, data; items, _ = catalogue.make_synthetic(n_users=10); "
-            "print(data.semantic_ids(items, 16).tolist())")
+    code = ("import catalogue; items, _ = catalogue.make_synthetic(n_users=10); "
+            "print(catalogue.semantic_ids(items, 16).tolist())")
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
     assert runs[0] and runs[0] == runs[1]
