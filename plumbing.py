@@ -220,13 +220,13 @@ def add_training_args(ap, steps, lr, warmup, eval_every, batch_size=None, token_
         ap.add_argument("--lambda-r", type=float, default=0.5, help="loss weight of reasoning tokens")
         ap.add_argument("--lambda-o", type=float, default=1.0, help="loss weight of answer tokens")
     ap.add_argument("--eval-every", type=int, default=eval_every, help="validate and save OUT/last every this many steps")
-    ap.add_argument("--val-n", type=int, default=100, help="validation examples decoded at each evaluation")
+    ap.add_argument("--val-n", type=int, default=100, help="validation examples checked at each evaluation")
     if test:  # every stage but the warm-up ends with a test
         ap.add_argument("--test-n", type=int, default=0, help="test examples for the final metrics (0 = all)")
     if tau_n:
         ap.add_argument("--tau-n", type=int, default=200,
                         help="test examples for the faster thresholds 0.9 / 0.6 / 0.4 (0 = all)")
-    ap.add_argument("--eval-batch", type=int, default=64, help="decoding batch size")
+    ap.add_argument("--eval-batch", type=int, default=64, help="batch size of the validation and the test")
     add_runtime_args(ap)
     ap.add_argument("--seed", type=int, default=0, help="seed for the init, the batch order, the noise and the sampling")
     ap.add_argument("--fresh", action="store_true", help="ignore OUT/last and start over")
