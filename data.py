@@ -13,14 +13,16 @@ Every stage of Diffusion-GR2 trains and tests on what this script writes. The pi
    examples whose target is in it are kept. A training example is scored with its own user's pairs
    removed, so train and test candidate lists look alike (no leakage, no shift).
 4. A rule-based trace teacher (the paper used an LLM + rejection sampling). It reads evidence that the
-   prompt shows (the brand of the last purchase and of the history, categories bought before, how often
-   a category follows the last one, shared title words, retriever position), scores every candidate by
-   adding one integer weight per piece of evidence, and keeps the trace only when its ranking puts the
-   target first. The weights are fitted on training examples only (a conditional logit, then rounded),
-   so the teacher ranks better than the retriever wherever the evidence carries signal. The ranking
-   follows from the stated scores, so a reasoning error changes the answer. An example whose target the
-   teacher does not put first gets no trace and is left out of training (stats.json: `teacher_kept_rate`;
-   the teacher's own ranking of the test split is `teacher`, beside the retriever's `floor`).
+   prompt shows (the brand of the last purchase and of the history, categories bought before, shared title
+   words, retriever position) and what training purchases say (how often a category follows the last one's
+   and, on a real catalogue, how often the item itself was bought right after the last one, the example's
+   own user left out), scores every candidate by adding one integer weight per piece of evidence, and keeps
+   the trace only when its ranking puts the target first. The weights are fitted on training examples only
+   (a conditional logit, then rounded), so the teacher ranks better than the retriever wherever the evidence
+   carries signal. The ranking follows from the stated scores, so a reasoning error changes the answer. An
+   example whose target the teacher does not put first gets no trace and is left out of training
+   (stats.json: `teacher_kept_rate`; the teacher's own ranking of the test split is `teacher`, beside the
+   retriever's `floor`).
 5. A tokenizer (a word-level one built here for the tiny model, or a Qwen3 one with the SID tokens and
    the mask token added), the tokenized splits as a `datasets.DatasetDict`, and stats.json.
 
@@ -50,16 +52,23 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Defaults of the built-in synthetic task (sized for fast learning on a CPU) and of any real catalogue.
-SOURCE_DEFAULTS = {"synthetic": dict(codebook=256, history=5, title_words=3, max_eval=500),
-                   "real": dict(codebook=256, history=6, title_words=5, max_eval=0)}
+SOURCE_DEFAULTS = {"synthetic": dict(codebook=256, history=5, title_words=3, max_eval=500,
+                                     evidence="last,brand,cat,follow,words,pos"),
+                   "real": dict(codebook=256, history=6, title_words=5, max_eval=0,
+                                evidence="last,brand,cat,follow,next,words,pos")}
 # What the teacher weighs for each candidate, with the number of values each piece of evidence takes.
 EVIDENCE = {"last": 2,     # same brand as the last history item (0/1)
             "brand": 3,    # history items of its brand (0-2)
             "cat": 2,      # its category is in the history (0/1)
             "follow": 6,   # rank of its category among those bought right after the last item's: 1-3, 4 = 4th-5th,
                            # 5 = 6th-10th, 0 = rarer or never (from training purchases: the teacher's knowledge of routines)
+            "next": 5,     # times it was bought right after the last history item in training purchases: 0, 1, 2-3,
+                           # 4-7, 8+ (the same knowledge, item by item: what METHOD.md calls "bought together")
             "words": 4,    # title words shared with the last history item (0-3)
             "pos": 10}     # retriever position, 0 for c1 ... 9 for c10 (the trace's c-number says it)
+# assumption: the synthetic world's routines are category-level by construction (catalogue.make_synthetic), so there
+# item-level counts add nothing to `follow` (README, assumptions) and its teacher leaves `next` out; a real catalogue's
+# teacher weighs it all
 WEIGHT_SCALE = 9  # assumption: the largest fitted weight is rounded to 9, so a score is a sum of one-digit numbers
 
 
@@ -95,9 +104,21 @@ def routine_ranks(items, train_seqs):
     return {leaf: {nxt: r for r, (nxt, _) in enumerate(c.most_common(), 1)} for leaf, c in trans.items()}
 
 
-def evidence(items, history, cands, routine):
-    """One tuple per candidate: its value of each piece of EVIDENCE, in that order. All checkable in the prompt."""
-    last = items[history[-1]]
+def next_counts(train_seqs):
+    """{(item, item bought right after it): times}, from training sequences only."""
+    return Counter(pair for s in train_seqs for pair in zip(s, s[1:]))
+
+
+def next_bucket(n):
+    return 0 if n <= 0 else 1 if n == 1 else 2 if n <= 3 else 3 if n <= 7 else 4
+
+
+def evidence(items, history, cands, routine, follows=None, own=()):
+    """One tuple per candidate: its value of each piece of EVIDENCE, in that order. All but `follow` and `next`
+    are checkable in the prompt; those two are the teacher's knowledge of training purchases (`routine` by
+    category, `follows` by item), with the user's `own` training sequence taken out for a training example."""
+    last, follows = items[history[-1]], follows or Counter()
+    own_follows = Counter(zip(own, own[1:]))
     brands = Counter(b for b in map(brand_of, (items[h] for h in history)) if b)
     leaves = {leaf_of(items[h]) for h in history}
     after, last_words = routine.get(leaf_of(last), {}), title_terms(last)
@@ -105,21 +126,24 @@ def evidence(items, history, cands, routine):
     for pos, c in enumerate(cands):
         brand, r = brand_of(items[c]), after.get(leaf_of(items[c]), 0)
         follow = 0 if not r or r > 10 else r if r <= 3 else 4 if r <= 5 else 5
+        after_last = next_bucket(follows[history[-1], c] - own_follows[history[-1], c])
         rows.append((int(brand is not None and brand == brand_of(last)), min(brands[brand], 2) if brand else 0,
-                     int(leaf_of(items[c]) in leaves), follow, min(len(title_terms(items[c]) & last_words), 3), pos))
+                     int(leaf_of(items[c]) in leaves), follow, after_last, min(len(title_terms(items[c]) & last_words), 3),
+                     pos))
     return rows
 
 
-def fit_teacher(evidences, targets):
-    """Integer weights {evidence: [weight of each value]} fitted on training examples.
+def fit_teacher(evidences, targets, pieces=tuple(EVIDENCE)):
+    """Integer weights {evidence: [weight of each value]} fitted on training examples, for the named `pieces`.
 
     A conditional logit: P(candidate j) = softmax_j(sum_k W_k[e_jk]), the target's likelihood maximised by
     L-BFGS with a small L2 penalty. Each table is shifted to a minimum of 0 (every candidate has one value
     of each, so no ranking changes) and all are scaled so the largest is WEIGHT_SCALE, then rounded.
     """
-    sizes = list(EVIDENCE.values())
+    used = [i for i, k in enumerate(EVIDENCE) if k in pieces]
+    sizes = [list(EVIDENCE.values())[i] for i in used]
     offsets = torch.tensor(np.cumsum([0] + sizes[:-1]))
-    columns = torch.tensor(evidences) + offsets  # (examples, 10 candidates, pieces of evidence)
+    columns = torch.tensor(evidences)[:, :, used] + offsets  # (examples, 10 candidates, pieces used)
     X = torch.zeros(*columns.shape[:2], sum(sizes), dtype=torch.float64).scatter_(2, columns, 1.0)
     y = torch.tensor(targets)
     w = torch.zeros(sum(sizes), dtype=torch.float64, requires_grad=True)
@@ -134,18 +158,19 @@ def fit_teacher(evidences, targets):
     opt.step(closure)
     tables = [t - t.min() for t in w.detach().split(sizes)]
     top = max(float(t.max()) for t in tables) or 1.0
-    return {k: [int(round(v)) for v in (t * WEIGHT_SCALE / top).tolist()] for k, t in zip(EVIDENCE, tables)}
+    names = [k for k in EVIDENCE if k in pieces]
+    return {k: [int(round(v)) for v in (t * WEIGHT_SCALE / top).tolist()] for k, t in zip(names, tables)}
 
 
 def rank_by(ev, weights):
     """Candidate positions sorted by score (high first), ties kept in retriever order; and the scores."""
-    scores = [sum(weights[k][v] for k, v in zip(EVIDENCE, e)) for e in ev]
+    scores = [sum(weights[k][v] for k, v in zip(EVIDENCE, e) if k in weights) for e in ev]
     return sorted(range(len(ev)), key=lambda p: -scores[p]), scores
 
 
-def teacher_trace(items, sid, history, cands, target, routine, weights):
+def teacher_trace(items, sid, history, cands, target, routine, weights, follows=None, own=()):
     """(reasoning, answer) when the teacher's ranking puts the target first, else None."""
-    ev = evidence(items, history, cands, routine)
+    ev = evidence(items, history, cands, routine, follows, own)
     order, scores = rank_by(ev, weights)
     if cands[order[0]] != target:
         return None
@@ -153,7 +178,7 @@ def teacher_trace(items, sid, history, cands, target, routine, weights):
     after = routine.get(last, {})
     lines = [f"last {last} -> {min(after, key=after.get) if after else 'none'}"]
     lines += [f"c{p + 1} {brand_of(items[c]) or 'none'} {leaf_of(items[c])} "
-              + " ".join(f"{k}{v}" for k, v in zip(EVIDENCE, e) if k != "pos") + f" = {s} ;"
+              + " ".join(f"{k}{v}" for k, v in zip(EVIDENCE, e) if k in weights and k != "pos") + f" = {s} ;"
               for p, (c, e, s) in enumerate(zip(cands, ev, scores))]
     lines += ["ranking :"] + [f"{scores[p]} c{p + 1} {sid[cands[p]]} ;" for p in order]
     return "<think>\n" + "\n".join(lines) + "\n</think>", answer_text(sid, cands, order)
@@ -222,6 +247,7 @@ def build(args, log=print):
     d = SOURCE_DEFAULTS["synthetic" if not args.raw else "real"]
     codebook, history_cap, words_shown = (args.codebook or d["codebook"], args.history or d["history"],
                                           args.title_words or d["title_words"])
+    pieces = (args.evidence or d["evidence"]).split(",")
     if not args.raw:
         raw_items, raw_users = make_synthetic(args.seed, args.users)
         raw_dir = Path(args.tmp) / "raw"
@@ -246,7 +272,7 @@ def build(args, log=print):
 
     train_seqs = [s[:-2] for s in seqs]  # only training positions feed the retriever and the teacher
     retriever = CoocRetriever(len(items)).fit(train_seqs)
-    routine = routine_ranks(items, train_seqs)
+    routine, follows = routine_ranks(items, train_seqs), next_counts(train_seqs)
     splits = {"train": [(u, t) for u, s in enumerate(seqs) for t in range(1, len(s) - 2)],
               "valid": [(u, len(s) - 2) for u, s in enumerate(seqs)],
               "test": [(u, len(s) - 1) for u, s in enumerate(seqs)]}
@@ -262,8 +288,8 @@ def build(args, log=print):
         examples[split] = [(u, t, hist[-history_cap:], cands) for (u, t), hist, cands in zip(pairs, hists, tops)
                            if seqs[u][t] in cands]
     log(f"teacher: fitting its evidence weights on {len(examples['train'])} training examples")
-    weights = fit_teacher([evidence(items, h, c, routine) for _, _, h, c in examples["train"]],
-                          [c.index(seqs[u][t]) for u, t, _, c in examples["train"]])
+    weights = fit_teacher([evidence(items, h, c, routine, follows, train_seqs[u]) for u, _, h, c in examples["train"]],
+                          [c.index(seqs[u][t]) for u, t, _, c in examples["train"]], pieces)
     log("teacher weights (fitted on training examples): " + json.dumps(weights))
 
     data, stats_examples, all_examples, kept = {}, {}, {}, 0
@@ -273,7 +299,7 @@ def build(args, log=print):
             target = seqs[u][t]
             reasoning, answer = "", ""
             if split == "train":
-                trace = teacher_trace(items, sid, hist, cands, target, routine, weights)
+                trace = teacher_trace(items, sid, hist, cands, target, routine, weights, follows, train_seqs[u])
                 if trace is None:
                     continue
                 kept += 1
@@ -308,7 +334,7 @@ def build(args, log=print):
     test, train = data["test"], data["train"]
     floor = metrics.summarize(metrics.floor_rows(test))
     teacher = [metrics.rank_metrics([ex["candidates"][p] for p in rank_by(
-        evidence(items, ex["history"], ex["candidates"], routine), weights)[0]], ex["target"]) for ex in test]
+        evidence(items, ex["history"], ex["candidates"], routine, follows), weights)[0]], ex["target"]) for ex in test]
     stats = {"source": name, "users": len(seqs), "items": len(items), "interactions": sum(map(len, seqs)),
              "sid_unique_rate": sid_unique, "sid_prefix_unique_rate": prefix_unique, "codebook": codebook,
              "retriever_recall@10": recall10, "retriever_ndcg@10": ndcg10, "examples": stats_examples,
@@ -382,7 +408,12 @@ def main(argv=None):
     ap.add_argument("--history", type=int, default=0, help="history items shown in the prompt (0 = default: 5 synthetic, 6 real)")
     ap.add_argument("--max-eval", type=int, default=None, help="cap on valid/test examples, a seeded subset (default: 500 synthetic, all real)")
     ap.add_argument("--title-words", type=int, default=0, help="words of each title shown (0 = default: 3 synthetic, 5 real)")
+    ap.add_argument("--evidence", help="the pieces of evidence the teacher weighs, comma-separated, from "
+                    f"{','.join(EVIDENCE)} (default: all but 'next' synthetic, all real)")
     args = ap.parse_args(argv)
+    unknown = [k for k in (args.evidence or "").split(",") if k and k not in EVIDENCE]
+    if unknown:
+        ap.error(f"--evidence: no piece {unknown[0]!r} (the pieces: {','.join(EVIDENCE)})")
     try:
         out = Path(args.out or f"data/{catalogue_name(args.raw) if args.raw else 'synthetic'}")
     except DataError as e:

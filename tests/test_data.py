@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def build(tmp_path, raw=None, seed=0, users=300):
     args = Namespace(raw=raw, seed=seed, users=users, codebook=0, history=0,
-                     title_words=0, max_eval=None, tokenizer="word", tmp=str(tmp_path / f"tmp{seed}{users}{bool(raw)}"))
+                     title_words=0, max_eval=None, evidence=None, tokenizer="word", tmp=str(tmp_path / f"tmp{seed}{users}{bool(raw)}"))
     return data.build(args, log=lambda *a: None)
 
 
@@ -64,6 +64,7 @@ def test_validation_and_test_items_never_reach_training(tmp_path):
         outs.append(build(tmp_path, raw=str(raw)))
     assert outs[0][0]["train"] == outs[1][0]["train"]
     assert outs[0][-1]["source"] == "toy"  # a real catalogue is named after its files
+    assert list(outs[0][-1]["teacher_weights"]) == list(data.EVIDENCE)  # and its teacher weighs every piece
     assert outs[0][0]["test"] != outs[1][0]["test"]  # (the test split does change)
 
 
@@ -112,7 +113,8 @@ def test_the_fitted_teacher_finds_a_planted_rule():
     rng = __import__("numpy").random.default_rng(0)
     evidences, targets = [], []
     for _ in range(400):
-        ev = [(0, int(rng.integers(3)), int(rng.integers(2)), int(rng.integers(6)), int(rng.integers(4)), p) for p in range(10)]
+        ev = [(0, int(rng.integers(3)), int(rng.integers(2)), int(rng.integers(6)), int(rng.integers(5)),
+               int(rng.integers(4)), p) for p in range(10)]
         j = int(rng.integers(10))
         ev[j] = (1,) + ev[j][1:]
         evidences.append(ev)
@@ -127,8 +129,29 @@ def test_placeholder_titles_are_not_evidence():
              {"title": "Belle silk shampoo", "categories": [["Beauty", "Hair"]]}]
     assert data.brand_of(items[0]) is None and data.title_terms(items[0]) == set()
     assert data.brand_of(items[2]) == "belle" and data.title_terms(items[2]) == {"silk", "shampoo"}
-    last, brand, cat, follow, words, pos = data.evidence(items, [0], [1, 2], {})[0]
+    last, brand, cat, follow, after_last, words, pos = data.evidence(items, [0], [1, 2], {})[0]
     assert (last, brand, words) == (0, 0, 0)  # two placeholders share no brand
+
+
+def test_next_counts_purchases_right_after_the_last_item_without_the_users_own():
+    items = [{"title": f"brand{i} thing", "categories": [["Beauty", "Hair"]]} for i in range(4)]
+    train_seqs = [[0, 1, 2], [0, 1], [3, 0, 2], [0, 1, 0, 1]]  # 0 -> 1 four times, 0 -> 2 once, 1 -> 0 once
+    follows = data.next_counts(train_seqs)
+    assert follows == {(0, 1): 4, (1, 2): 1, (3, 0): 1, (0, 2): 1, (1, 0): 1}
+    nxt = list(data.EVIDENCE).index("next")
+    column = lambda own: [e[nxt] for e in data.evidence(items, [3, 0], [1, 2, 3], {}, follows, own)]
+    assert column(()) == [3, 1, 0]  # buckets 0 / 1 / 2-3 / 4-7 / 8+: four times -> 3, once -> 1
+    assert column(train_seqs[3]) == [2, 1, 0]  # a training example's own two 0 -> 1 leave two: bucket 2-3
+    assert column(train_seqs[2]) == [3, 0, 0]
+    assert [data.next_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 50)] == [0, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_the_teacher_weighs_the_pieces_asked_for(small, capsys):
+    assert "next" not in small[-1]["teacher_weights"]  # the synthetic default (data.SOURCE_DEFAULTS)
+    assert list(small[-1]["teacher_weights"]) == [k for k in data.EVIDENCE if k != "next"]
+    with pytest.raises(SystemExit) as exit:
+        data.main(["--evidence", "last,colour", "--out", "unused"])
+    assert exit.value.code == 2 and "--evidence: no piece 'colour'" in capsys.readouterr().err
 
 
 def test_the_teacher_beats_the_floor_and_is_reported(small):
