@@ -69,7 +69,7 @@ def judge(text, candidates):
 
 
 INVALID_CAUSES = ("no ranking", "tie repeated", "sid mixed", "answer mis-copied", "order")
-# a ranking line of data.teacher_trace: `score cK <a_><b_><c_><d_> ;`
+# a ranking line of teacher.teacher_trace: `score cK <a_><b_><c_><d_> ;`
 RANKING_LINE_RE = re.compile(r"(\d+)\s+c(\d+)\s*(?:" + SID_RE.pattern + r")?\s*;")
 
 

@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 import data
+from teacher import answer_text
 from model import PRESETS, ar_logits, ar_loss, create_model
 from plumbing import (HelpFormatter, Log, add_training_args, batch_indices, check_positive, collate, compute, lr_at,
                       resume, save_checkpoint, save_progress, setup, write_atomic)
@@ -56,7 +57,7 @@ def copy_example(ex, sid, tok, rng):
     order = rng.permutation(len(ex["candidates"]))
     lines = [f"c{p + 1} {sid[ex['candidates'][p]]} ;" for p in order]
     reasoning = "<think>\nranking :\n" + "\n".join(lines) + "\n</think>"
-    _, response, n_reasoning = data.tokenize(tok, ex["prompt"], reasoning, data.answer_text(sid, ex["candidates"], order))
+    _, response, n_reasoning = data.tokenize(tok, ex["prompt"], reasoning, answer_text(sid, ex["candidates"], order))
     return {"prompt_ids": ex["prompt_ids"], "response_ids": response, "n_reasoning": n_reasoning}
 
 

@@ -12,6 +12,7 @@ import pytest
 import catalogue
 import data
 import eval as metrics
+import teacher
 from conftest import SHARED
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +65,7 @@ def test_validation_and_test_items_never_reach_training(tmp_path):
         outs.append(build(tmp_path, raw=str(raw)))
     assert outs[0][0]["train"] == outs[1][0]["train"]
     assert outs[0][-1]["source"] == "toy"  # a real catalogue is named after its files
-    assert list(outs[0][-1]["teacher_weights"]) == list(data.EVIDENCE)  # and its teacher weighs every piece
+    assert list(outs[0][-1]["teacher_weights"]) == list(teacher.EVIDENCE)  # and its teacher weighs every piece
     assert outs[0][0]["test"] != outs[1][0]["test"]  # (the test split does change)
 
 
@@ -119,36 +120,36 @@ def test_the_fitted_teacher_finds_a_planted_rule():
         ev[j] = (1,) + ev[j][1:]
         evidences.append(ev)
         targets.append(j)
-    weights = data.fit_teacher(evidences, targets)
+    weights = teacher.fit_teacher(evidences, targets)
     assert weights["last"] == [0, 9] and max(max(t) for t in weights.values()) == 9
-    assert all(data.rank_by(ev, weights)[0][0] == t for ev, t in zip(evidences, targets))
+    assert all(teacher.rank_by(ev, weights)[0][0] == t for ev, t in zip(evidences, targets))
 
 
 def test_placeholder_titles_are_not_evidence():
     items = [{"title": "title_495", "categories": [["Beauty", "Hair"]]}, {"title": "title_12", "categories": [["Beauty", "Skin"]]},
              {"title": "Belle silk shampoo", "categories": [["Beauty", "Hair"]]}]
-    assert data.brand_of(items[0]) is None and data.title_terms(items[0]) == set()
-    assert data.brand_of(items[2]) == "belle" and data.title_terms(items[2]) == {"silk", "shampoo"}
-    last, brand, cat, follow, after_last, words, pos = data.evidence(items, [0], [1, 2], {})[0]
+    assert teacher.brand_of(items[0]) is None and teacher.title_terms(items[0]) == set()
+    assert teacher.brand_of(items[2]) == "belle" and teacher.title_terms(items[2]) == {"silk", "shampoo"}
+    last, brand, cat, follow, after_last, words, pos = teacher.evidence(items, [0], [1, 2], {})[0]
     assert (last, brand, words) == (0, 0, 0)  # two placeholders share no brand
 
 
 def test_next_counts_purchases_right_after_the_last_item_without_the_users_own():
     items = [{"title": f"brand{i} thing", "categories": [["Beauty", "Hair"]]} for i in range(4)]
     train_seqs = [[0, 1, 2], [0, 1], [3, 0, 2], [0, 1, 0, 1]]  # 0 -> 1 four times, 0 -> 2 once, 1 -> 0 once
-    follows = data.next_counts(train_seqs)
+    follows = teacher.next_counts(train_seqs)
     assert follows == {(0, 1): 4, (1, 2): 1, (3, 0): 1, (0, 2): 1, (1, 0): 1}
-    nxt = list(data.EVIDENCE).index("next")
-    column = lambda own: [e[nxt] for e in data.evidence(items, [3, 0], [1, 2, 3], {}, follows, own)]
+    nxt = list(teacher.EVIDENCE).index("next")
+    column = lambda own: [e[nxt] for e in teacher.evidence(items, [3, 0], [1, 2, 3], {}, follows, own)]
     assert column(()) == [3, 1, 0]  # buckets 0 / 1 / 2-3 / 4-7 / 8+: four times -> 3, once -> 1
     assert column(train_seqs[3]) == [2, 1, 0]  # a training example's own two 0 -> 1 leave two: bucket 2-3
     assert column(train_seqs[2]) == [3, 0, 0]
-    assert [data.next_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 50)] == [0, 1, 2, 2, 3, 3, 4, 4]
+    assert [teacher.next_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 50)] == [0, 1, 2, 2, 3, 3, 4, 4]
 
 
 def test_the_teacher_weighs_the_pieces_asked_for(small, capsys):
     assert "next" not in small[-1]["teacher_weights"]  # the synthetic default (data.SOURCE_DEFAULTS)
-    assert list(small[-1]["teacher_weights"]) == [k for k in data.EVIDENCE if k != "next"]
+    assert list(small[-1]["teacher_weights"]) == [k for k in teacher.EVIDENCE if k != "next"]
     with pytest.raises(SystemExit) as exit:
         data.main(["--evidence", "last,colour", "--out", "unused"])
     assert exit.value.code == 2 and "--evidence: no piece 'colour'" in capsys.readouterr().err

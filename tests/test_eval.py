@@ -91,7 +91,7 @@ def test_bootstrap_intervals():
 
 
 def trace(lines, answer_sids, scores=(5, 5, 2)):
-    """A response in data.teacher_trace's format for the first three candidates of C."""
+    """A response in teacher.teacher_trace's format for the first three candidates of C."""
     evidence = " ".join(f"c{k + 1} brand item brand0 cat0 next0 top0 = {s} ;" for k, s in enumerate(scores))
     ranking = " ".join(f"{s} c{k} " + (" ".join(sid.replace("><", "> <").split()) + " " if sid else "") + ";"
                        for s, k, sid in lines)  # sid None: a ranking line whose SID the model left out
