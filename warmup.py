@@ -32,10 +32,10 @@ import torch
 from tqdm import tqdm
 
 import data
-from teacher import answer_text
 from model import PRESETS, ar_logits, ar_loss, create_model
 from plumbing import (HelpFormatter, Log, add_training_args, batch_indices, check_positive, collate, compute, lr_at,
                       resume, save_checkpoint, save_progress, setup, write_atomic)
+from teacher import answer_text
 
 SID_CODE = re.compile(r"<[a-d]_\d+>")  # one code of a SID, a token of its own in every tokenizer (data.py)
 
