@@ -38,43 +38,20 @@ from plumbing import (HelpFormatter, Log, add_training_args, batch_indices, chec
 from teacher import answer_text
 
 SID_CODE = re.compile(r"<[a-d]_\d+>")  # one code of a SID, a token of its own in every tokenizer (data.py)
-SID = re.compile(r"<a_\d+><b_\d+><c_\d+><d_\d+>")  # a whole SID in a prompt
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--out", default="out/warmup", help="checkpoint folder to write (sft.py reads it with --model)")
     ap.add_argument("--model", default="tiny", help=f"a random-init preset ({', '.join(PRESETS)}) or a local folder")
-    ap.add_argument("--scramble", type=float, default=1.0,
-                    help="share of the training prompts whose SIDs are replaced by random codes (see scramble())")
     add_training_args(ap, steps=2000, batch_size=32, lr=3e-3, warmup=30, eval_every=250, tau_n=False, test=False)
     args = ap.parse_args(argv)
     check_positive(ap, args, "batch_size", "eval_every")
-    if not 0 <= args.scramble <= 1:
-        ap.error(f"--scramble {args.scramble}: must be a share between 0 and 1")
     return args
 
 
 # assumption: the warm-up reuses the training prompts and the teacher's ranking-line layout (without scores), so
 # it adds no data and teaches copying in the very context SFT needs it; the paper has no such stage.
-def scramble(ex, sid, tok, rng, codes, keep="ab"):
-    """`ex` and a SID table in which every item its prompt shows has random codes, so that writing a SID can
-    only be done by copying it: a real catalogue's (a, b) prefix mostly fixes c and d, and a model that
-    learns that prior stops copying at level c. `codes` lists the code tokens of each level."""
-    shown = list(dict.fromkeys(ex["history"] + ex["candidates"]))
-    fake = set()
-    while len(fake) < len(shown):  # distinct random SIDs, one per shown item
-        i = shown[len(fake)]
-        real = SID_CODE.findall(sid[i])
-        fake.add((i, "".join(real[k] if level in keep else rng.choice(codes[level]) for k, level in enumerate("abcd"))))
-        if len({f for _, f in fake}) < len(fake):
-            fake = {x for x in fake if x[0] != i}
-    new = {sid[i]: f for i, f in fake}
-    prompt = SID.sub(lambda m: new[m.group(0)], ex["prompt"])
-    prompt_ids, _, _ = data.tokenize(tok, prompt, "", "")
-    return {**ex, "prompt_ids": prompt_ids}, {i: new[sid[i]] for i in shown}
-
-
 def copy_example(ex, sid, tok, rng):
     """A training example whose response copies its candidates in a random order (the docstring's layout)."""
     order = rng.permutation(len(ex["candidates"]))
@@ -112,7 +89,6 @@ def main(argv=None):
     train, valid, _, sid = data.load_splits(args.data, args.val_n, 1)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(Path(args.data) / "tokenizer")
-    codes = {level: sorted(t for t in tok.get_vocab() if t.startswith(f"<{level}_")) for level in "abcd"}
     model = create_model(args.model, tok, args.attn, args.dtype, args.seed).to(args.device)
     print(f"model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
           f"{len(train)} training prompts")
@@ -126,11 +102,8 @@ def main(argv=None):
     for step in bar:
         model.train()
         rng = np.random.default_rng([args.seed, step])  # this step's orders, the same after a resume
-        examples = []
-        for i in batch_indices(step, len(train), args.batch_size, args.seed):
-            ex, table = scramble(train[i], sid, tok, rng, codes) if rng.random() < args.scramble else (train[i], sid)
-            examples.append(copy_example(ex, table, tok, rng))
-        batch = collate(examples)
+        batch = collate([copy_example(train[i], sid, tok, rng)
+                         for i in batch_indices(step, len(train), args.batch_size, args.seed)])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         loss = ar_loss(model, batch, args.lambda_r, args.lambda_o, tok.pad_token_id)
