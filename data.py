@@ -155,18 +155,18 @@ def build(args, log=print):
         examples[split] = [(u, t, hist[-history_cap:], cands) for (u, t), hist, cands in zip(pairs, hists, tops)
                            if seqs[u][t] in cands]
     log(f"teacher: fitting its evidence weights on {len(examples['train'])} training examples")
-    weights = fit_teacher([evidence(items, h, c, routine, follows, train_seqs[u]) for u, _, h, c in examples["train"]],
-                          [c.index(seqs[u][t]) for u, t, _, c in examples["train"]], pieces)
+    train_evidence = [evidence(items, h, c, routine, follows, train_seqs[u]) for u, _, h, c in examples["train"]]
+    weights = fit_teacher(train_evidence, [c.index(seqs[u][t]) for u, t, _, c in examples["train"]], pieces)
     log("teacher weights (fitted on training examples): " + json.dumps(weights))
 
     data, stats_examples, all_examples, kept = {}, {}, {}, 0
     for split, exs in examples.items():
         rows = []
-        for u, t, hist, cands in exs:
+        for k, (u, t, hist, cands) in enumerate(exs):
             target = seqs[u][t]
             reasoning, answer = "", ""
             if split == "train":
-                trace = teacher_trace(items, sid, hist, cands, target, routine, weights, follows, train_seqs[u])
+                trace = teacher_trace(items, sid, hist, cands, target, routine, weights, train_evidence[k])
                 if trace is None:
                     continue
                 kept += 1

@@ -138,9 +138,9 @@ def rank_by(ev, weights):
     return sorted(range(len(ev)), key=lambda p: -scores[p]), scores
 
 
-def teacher_trace(items, sid, history, cands, target, routine, weights, follows=None, own=()):
-    """(reasoning, answer) when the teacher's ranking puts the target first, else None."""
-    ev = evidence(items, history, cands, routine, follows, own)
+def teacher_trace(items, sid, history, cands, target, routine, weights, ev):
+    """(reasoning, answer) when the teacher's ranking puts the target first, else None; `ev` is the candidates'
+    evidence (evidence())."""
     order, scores = rank_by(ev, weights)
     if cands[order[0]] != target:
         return None
