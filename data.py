@@ -9,9 +9,9 @@ Every stage of Diffusion-GR2 trains and tests on what this script writes. The pi
    a TF-IDF + SVD embedding of title and categories, level d numbering the items that still collide.
 3. Chronological leave-one-out: last item = test target, second-to-last = validation target, every
    earlier position = a training example. A co-occurrence retriever (catalogue.py) fitted on training
-   positions only ranks the catalogue; its top-10 (in retriever order) is the candidate list, and only
-   examples whose target is in it are kept. A training example is scored with its own user's pairs
-   removed, so train and test candidate lists look alike (no leakage, no shift).
+   positions only ranks the catalogue; its top-K (in retriever order; K = 10 as in the paper, or `--candidates`)
+   is the candidate list, and only examples whose target is in it are kept. A training example is scored with
+   its own user's pairs removed, so train and test candidate lists look alike (no leakage, no shift).
 4. A rule-based trace teacher (teacher.py; the paper used an LLM + rejection sampling) scores every candidate
    from evidence it states, fitted on training examples only, and keeps a trace only when its ranking puts
    the target first (stats.json: `teacher_kept_rate`; the teacher's own ranking of the test split is
@@ -22,6 +22,7 @@ Every stage of Diffusion-GR2 trains and tests on what this script writes. The pi
     python data.py                                                # synthetic -> data/synthetic
     python data.py --raw ../shared/data/amazon-beauty             # a real catalogue -> data/beauty
     python data.py --tokenizer ../shared/data/qwen3-tokenizer --out data/synthetic-qwen3
+    python data.py --candidates 5 --history 3 --max-eval 300 --out data/workshop   # run.sh's workshop task
 """
 import argparse
 import json
@@ -147,7 +148,7 @@ def build(args, log=print):
     for split, pairs in splits.items():
         hists = [seqs[u][:t] for u, t in pairs]
         own = [train_seqs[u] for u, _ in pairs] if split == "train" else None
-        tops = retriever.top_k(hists, 10, own, desc=f"retriever, {split}")
+        tops = retriever.top_k(hists, args.candidates, own, desc=f"retriever, {split}")
         if split == "test":
             ranks = [top.index(seqs[u][t]) + 1 if seqs[u][t] in top else 0 for (u, t), top in zip(pairs, tops)]
             recall10 = float(np.mean([r > 0 for r in ranks]))
@@ -271,6 +272,7 @@ def main(argv=None):
     ap.add_argument("--tokenizer", default="word", help="'word' builds a small word-level tokenizer; or a Qwen3 hub id / folder")
     ap.add_argument("--seed", type=int, default=0, help="seed for the synthetic world, k-means and the teacher")
     ap.add_argument("--users", type=int, default=8000, help="synthetic only: number of users")
+    ap.add_argument("--candidates", type=int, default=10, help="candidates per list: the retriever's top K (the paper: 10)")
     ap.add_argument("--codebook", type=int, default=0, help="codes per SID level (0 = 256, TIGER's size)")
     ap.add_argument("--history", type=int, default=0, help="history items shown in the prompt (0 = default: 5 synthetic, 6 real)")
     ap.add_argument("--max-eval", type=int, default=None, help="cap on valid/test examples, a seeded subset (default: 500 synthetic, all real)")
@@ -281,6 +283,8 @@ def main(argv=None):
     unknown = [k for k in (args.evidence or "").split(",") if k and k not in EVIDENCE]
     if unknown:
         ap.error(f"--evidence: no piece {unknown[0]!r} (the pieces: {','.join(EVIDENCE)})")
+    if not 2 <= args.candidates <= EVIDENCE["pos"]:  # the teacher's `pos` evidence has one weight per position
+        ap.error(f"--candidates must be from 2 to {EVIDENCE['pos']}, got {args.candidates}")
     try:
         out = Path(args.out or f"data/{catalogue_name(args.raw) if args.raw else 'synthetic'}")
     except DataError as e:

@@ -45,10 +45,10 @@ from transformers import DynamicCache
 import eval as metrics
 from model import (CLEAN, NOISY, PAD, PROMPT, attention_mask, build_rows, for_attention, gather_logits, hidden_states,
                    target_sources, without_mask)
-from plumbing import HelpFormatter, add_runtime_args, compute, load_checkpoint, resolve_dtype, write_atomic
+from plumbing import HelpFormatter, add_runtime_args, compute, load_checkpoint, read_jsonl, resolve_dtype, write_atomic
 
 COMMIT_RULES = ("threshold", "left-to-right")  # [diffusion] which confident positions a step commits (`choose`)
-SPEED_TAUS = (0.9, 0.6, 0.4)  # the paper's speed settings: every diffusion stage's test adds them to tau = 1.0
+SPEED_TAUS = (0.9, 0.6, 0.4)  # the paper's speed settings (the speed table; a stage's test adds --taus to tau = 1.0)
 
 
 @dataclass
@@ -381,13 +381,16 @@ def evaluate(model, tok, examples, sid, mode, block=32, tau=1.0, max_new=256, ba
 
 def validate(model, tok, valid, sid, mode, block, max_new, batch):
     """The training-time check: valid rate and Recall@1 of greedy decoding (and, for diffusion, at tau = 0.9).
-    Returns the numbers and the tau = 1.0 / AR responses (rl.py scores its held-out reward on them)."""
+    Returns the numbers (with the seconds they took: test_stage splits a stage's time by them) and the
+    tau = 1.0 / AR responses (rl.py scores its held-out reward on them)."""
+    t0 = time.perf_counter()
     q, _, texts, _ = evaluate(model, tok, valid, sid, mode, block, 1.0, max_new, batch, progress=True)
     res = {"val_valid_rate": q["valid_rate"], "val_recall1": q["recall@1"]}
     if mode == "diffusion":
         f, *_ = evaluate(model, tok, valid, sid, mode, block, 0.9, max_new, batch, progress=True)
         res.update({"val_valid_rate_0.9": f["valid_rate"], "val_recall1_0.9": f["recall@1"],
                     "val_tokens_per_forward_0.9": f["tokens_per_forward"]})
+    res["val_seconds"] = time.perf_counter() - t0
     return res, texts
 
 
@@ -401,23 +404,33 @@ def write_predictions(path, examples, sid_of, texts, rows, roll):
     write_atomic(path, "".join(lines))
 
 
-def test_stage(out, model, tok, examples, sid_of, mode, block=32, max_new=256, batch_size=64, tau_n=0, extra=None):
-    """A stage's final test: greedy (AR) or tau = 1.0, plus (diffusion) the speed taus on the first tau_n examples
+def test_stage(out, model, tok, examples, sid_of, mode, block=32, max_new=256, batch_size=64, tau_n=0, extra=None,
+               taus=SPEED_TAUS, train_minutes=None):
+    """A stage's final test: greedy (AR) or tau = 1.0, plus (diffusion) each of `taus` on the first tau_n examples
     (0 = all). Writes OUT/predictions*.jsonl and then OUT/metrics.json (with `extra` merged in), which marks the
-    stage finished, and prints the table."""
+    stage finished, and prints the table. train_minutes: the stage's wall time before the test, which metrics.json
+    splits into training and validation (the `val_seconds` of OUT/log.jsonl) beside the test's own minutes."""
+    t0 = time.perf_counter()
     quality, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, block, 1.0, max_new, batch_size, True)
     write_predictions(Path(out) / "predictions.jsonl", examples, sid_of, texts, rows, roll)
     sub, by_tau = examples[:tau_n] if tau_n else examples, {}
-    for t in (SPEED_TAUS if mode == "diffusion" else ()):  # each threshold keeps its predictions: the report pairs them
+    for t in (taus if mode == "diffusion" else ()):  # each threshold keeps its predictions: the report pairs them
         by_tau[t], rows, texts, roll = evaluate(model, tok, sub, sid_of, mode, block, t, max_new, batch_size, True)
         write_predictions(Path(out) / f"predictions_tau{t}.jsonl", sub, sid_of, texts, rows, roll)
     result = {**metrics.stage_metrics(quality, examples, by_tau), **(extra or {})}
+    if train_minutes is not None:
+        log = Path(out) / "log.jsonl"
+        val = sum(r.get("val_seconds", 0.0) for r in read_jsonl(log)) / 60 if log.exists() else 0.0
+        result["minutes"] = {"train": max(0.0, train_minutes - val), "validation": val,
+                             "test": (time.perf_counter() - t0) / 60}
     write_atomic(Path(out) / "metrics.json", json.dumps(result, indent=2))
     print(f"test (n={result['n']})   R@1     R@3     NDCG@3  valid   tok/fwd")
     print(f"  retriever floor   {result['floor']['recall@1']:.4f}  {result['floor']['recall@3']:.4f}  {result['floor']['ndcg@3']:.4f}")
     for label, m in [("AR greedy" if mode == "ar" else "tau=1.0", quality)] + [(f"tau={t}", m) for t, m in by_tau.items()]:
         print(f"  {label:<16}  {m['recall@1']:.4f}  {m['recall@3']:.4f}  {m['ndcg@3']:.4f}  {m['valid_rate']:.3f}  "
               f"{m['tokens_per_forward']:.2f}")
+    if "minutes" in result:
+        print("minutes: " + ", ".join(f"{k} {v:.1f}" for k, v in result["minutes"].items()))
     return result
 
 

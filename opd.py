@@ -105,10 +105,11 @@ def main(argv=None):
     start, elapsed = (0, 0.0) if args.fresh else resume(out, student, opt)
     log, t0 = Log(out, start) if is_main() else None, time.time() - elapsed
     if start == 0 and is_main():  # the curve starts at the CFT student
+        t_kl = time.time()
         kl_init = test_kl(student, teacher, tok, kl_examples, block, max_new)
         print(f"before OPD: test KL to the teacher {kl_init:.4f}")
         val, _ = validate(student, tok, valid, sid, "diffusion", block, max_new, args.eval_batch)
-        log(step=0, minutes=0.0, kl_test=kl_init, **val)
+        log(step=0, minutes=0.0, kl_test=kl_init, **{**val, "val_seconds": time.time() - t_kl})
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="opd", dynamic_ncols=True, disable=not is_main())
     for step in bar:
         examples = [train[i] for i in my_share(batch_indices(step, len(train), args.prompts_per_step, args.seed))
@@ -153,10 +154,12 @@ def main(argv=None):
     if not is_main():  # rank 0 saves and tests alone
         return None
     save_checkpoint(out, student, tok, {**stage, "step": args.steps})
+    train_minutes = (time.time() - t0) / 60
     kl_init, kl_final = read_jsonl(log.path)[0]["kl_test"], test_kl(student.eval(), teacher, tok, kl_examples, block, max_new)
     print(f"OPD took {(time.time() - t0) / 60:.1f} min; test KL to the teacher {kl_init:.4f} -> {kl_final:.4f}; testing ...")
     return test_stage(out, student, tok, test, sid, "diffusion", block, max_new, args.eval_batch, args.tau_n,
-                      extra={"kl_to_teacher": {"init": kl_init, "final": kl_final}})
+                      extra={"kl_to_teacher": {"init": kl_init, "final": kl_final}}, taus=args.taus,
+                      train_minutes=train_minutes)
 
 
 if __name__ == "__main__":

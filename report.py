@@ -345,6 +345,26 @@ def delta_lines(rows, title):
     return lines
 
 
+def time_lines(run, walls):
+    """The run's minutes per stage: wall time (this invocation of run.sh) split into training, validation and test
+    from each stage's metrics.json; `walls`: {stage: seconds}. The report and data.py only evaluate / build."""
+    lines = ["stage     wall   train   validation   test", ""]
+    total = {"wall": 0.0, "train": 0.0, "validation": 0.0, "test": 0.0}
+    for name, seconds in walls.items():
+        m = Path(run) / name / "metrics.json"
+        parts = json.loads(m.read_text()).get("minutes", {}) if m.exists() else {}
+        if name == "report":
+            parts = {"test": seconds / 60}
+        cells = [f"{parts[k]:5.1f}" if k in parts else "    -" for k in ("train", "validation", "test")]
+        lines.insert(-1, f"{name:<8} {seconds / 60:5.1f}   {cells[0]}   {cells[1]}        {cells[2]}")
+        total["wall"] += seconds / 60
+        for k, v in parts.items():
+            total[k] += v
+    lines[-1] = (f"{'total':<8} {total['wall']:5.1f}   {total['train']:5.1f}   {total['validation']:5.1f}        "
+                 f"{total['test']:5.1f}   (minutes; the report's decoding counts as test)")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--run", default="out", help="the run's output folder (holds sft/, naive/, cft/, opd/, rl/)")
@@ -357,11 +377,20 @@ def main(argv=None):
     ap.add_argument("--paired", nargs=2, default=None, metavar=("A", "B"),
                     help="only compare two predictions.jsonl of the same test examples of --data: B - A with 95%% intervals")
     ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
+    ap.add_argument("--times", nargs="*", default=None, metavar="STAGE:SECONDS",
+                    help="only print the run's minutes per stage (train / validation / test), given each stage's wall "
+                         "seconds (run.sh's closing lines)")
     ap.add_argument("--device", default="cpu", help="torch device for the decoding the report does")
     ap.add_argument("--dtype", default="float32", choices=["auto", *DTYPES],  # one dtype for both decoders: a fair table
                     help="dtype of the report's own decoding and of both decoders in the speed table: " + DTYPE_HELP)
     args = ap.parse_args(argv)
-    if args.masks_figure:
+    if args.times is not None:
+        try:
+            walls = {name: float(sec) for name, sec in (t.rsplit(":", 1) for t in args.times)}
+        except ValueError:
+            ap.error(f"--times takes STAGE:SECONDS pairs, got {' '.join(args.times)}")
+        print("\n".join(time_lines(args.run, walls)))
+    elif args.masks_figure:
         plot_masks(args.masks_figure)
     elif args.paired:
         paired(*args.paired, args.data)

@@ -177,7 +177,8 @@ def main(argv=None):
         return None
     save_checkpoint(out, model, tok, {**stage, "step": args.steps})
     print(f"RL took {(time.time() - t0) / 60:.1f} min; testing ...")
-    return test_stage(out, model.eval(), tok, test, sid, "diffusion", block, max_new, args.eval_batch, args.tau_n)
+    return test_stage(out, model.eval(), tok, test, sid, "diffusion", block, max_new, args.eval_batch, args.tau_n,
+                      taus=args.taus, train_minutes=(time.time() - t0) / 60)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ def main(argv=None):
         return None
     save_checkpoint(out, model, tok, {**stage, "step": args.steps})  # the last step is the checkpoint (every stage)
     print(f"SFT took {(time.time() - t0) / 60:.1f} min; testing ...")
-    return test_stage(out, model.eval(), tok, test, sid, "ar", max_new=max_new, batch_size=args.eval_batch)
+    return test_stage(out, model.eval(), tok, test, sid, "ar", max_new=max_new, batch_size=args.eval_batch,
+                      train_minutes=(time.time() - t0) / 60)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ from conftest import SHARED
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build(tmp_path, raw=None, seed=0, users=300):
-    args = Namespace(raw=raw, seed=seed, users=users, codebook=0, history=0,
-                     title_words=0, max_eval=None, evidence=None, tokenizer="word", tmp=str(tmp_path / f"tmp{seed}{users}{bool(raw)}"))
+def build(tmp_path, raw=None, seed=0, users=300, candidates=10, history=0):
+    args = Namespace(raw=raw, seed=seed, users=users, candidates=candidates, codebook=0, history=history, title_words=0,
+                     max_eval=None, evidence=None, tokenizer="word", tmp=str(tmp_path / f"tmp{seed}{users}{bool(raw)}"))
     return data.build(args, log=lambda *a: None)
 
 
@@ -49,6 +49,30 @@ def test_candidates_keep_the_retriever_order(tmp_path):
     for ex in splits["test"][:20]:
         hist = seqs[ex["user"]][:-1]
         assert retr.top_k([hist], 10)[0] == ex["candidates"]
+
+
+def test_the_workshop_task_shows_the_retrievers_top_five_and_ranks_them_all(tmp_path):
+    """--candidates 5 --history 3 (run.sh's workshop task): the retriever's top 5 in its order, the last 3 history
+    items, one trace line and one ranking line per candidate, and an answer that is a permutation of the five."""
+    items, users = catalogue.make_synthetic(0, 300)
+    index = {it["item"]: i for i, it in enumerate(items)}
+    seqs = [[index[a] for a in u] for u in users]
+    retr = catalogue.CoocRetriever(len(items)).fit([s[:-2] for s in seqs])
+    splits, _, sid, *_ = build(tmp_path, candidates=5, history=3)
+    for ex in splits["test"][:20]:
+        assert retr.top_k([seqs[ex["user"]][:-1]], 5)[0] == ex["candidates"]
+        assert ex["history"] == seqs[ex["user"]][:-1][-3:]
+    for ex in splits["train"][:20]:
+        lines = ex["reasoning"].splitlines()
+        assert [ln.split()[0] for ln in lines[2:7]] == ["c1", "c2", "c3", "c4", "c5"] and lines[7] == "ranking :"
+        assert metrics.classify(metrics.parse_answer(ex["reasoning"] + ex["answer"]), [sid[c] for c in ex["candidates"]]) == "valid"
+
+
+@pytest.mark.parametrize("k", [1, 11])
+def test_a_candidate_count_the_teacher_cannot_weigh_is_refused(k, capsys):
+    with pytest.raises(SystemExit) as exit:
+        data.main(["--candidates", str(k), "--out", "unused"])
+    assert exit.value.code == 2 and f"--candidates must be from 2 to 10, got {k}" in capsys.readouterr().err
 
 
 def test_validation_and_test_items_never_reach_training(tmp_path):

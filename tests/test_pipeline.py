@@ -62,9 +62,13 @@ def test_every_stage_writes_its_checkpoint_metrics_and_predictions(run):
         info = json.loads((out / stage / "stage.json").read_text())
         assert info["stage"] == stage and info["block_size"] == (None if stage == "sft" else 8), stage
         assert info["max_new"] == 32 and info["args"]["dtype"] != "auto", stage  # inherited; resolved, never "auto"
-        if stage != "sft":
-            assert set(m["by_tau"]) == {"0.9", "0.6", "0.4"}, stage
+        if stage != "sft":  # the default --taus: the report's tau = 0.9 table reads it
+            assert set(m["by_tau"]) == {"0.9"}, stage
             assert all(len(read_jsonl(out / stage / f"predictions_tau{t}.jsonl")) == n_test for t in m["by_tau"])
+        # the stage's minutes: validation is what log.jsonl recorded, training the rest of the time before the test
+        val = sum(r["val_seconds"] for r in read_jsonl(out / stage / "log.jsonl")) / 60 if stage != "naive" else 0.0
+        assert set(m["minutes"]) == {"train", "validation", "test"} and m["minutes"]["validation"] == pytest.approx(val)
+        assert m["minutes"]["test"] > 0 and (stage == "naive" or val > 0), stage
     assert json.loads((out / "sft" / "stage.json").read_text())["args"]["dtype"] == resolve_dtype("auto", "cpu")
     # the curves: each stage logs its start (the diffusion stages) and its last step
     assert {s: [r["step"] for r in read_jsonl(out / s / "log.jsonl")] for s in ("sft", "cft", "opd", "rl")} == \
@@ -267,9 +271,11 @@ def test_run_sh_runs_every_stage_in_order_and_skips_a_finished_one(tmp_path):
     calls = (tmp_path / "calls").read_text().splitlines()
     if not (ROOT / "data" / "beauty" / "stats.json").exists():  # run.sh skips data.py for a folder already built
         assert calls.pop(0).split()[:5] == ["data.py", "--out", "data/beauty", "--raw", "RAW"]
-    assert [c.split()[0] for c in calls] == ["cft.py", "cft.py", "opd.py", "rl.py", "report.py"]
+    assert [c.split()[0] for c in calls] == ["cft.py", "cft.py", "opd.py", "rl.py", "report.py", "report.py"]
     assert "--steps 0" in calls[0] and f"--out {out}/naive" in calls[0] and f"--init {out}/opd" in calls[3]
-    assert all("--device cuda" in c and "--data " in c for c in calls)
+    assert all("--device cuda" in c and "--data " in c for c in calls[:-1])
+    # the closing lines: each stage's wall seconds (sft was done before this invocation, so it has none)
+    assert calls[-1].startswith(f"report.py --run {out} --times ") and " naive:" in calls[-1] and "sft:" not in calls[-1]
     (tmp_path / "calls").unlink()
     subprocess.run(["bash", str(ROOT / "run.sh"), "--warmup", "--out", str(tmp_path / "w")], check=True, env=env,
                    capture_output=True)  # the synthetic data may or may not be built here: look from the warm-up on
@@ -277,6 +283,12 @@ def test_run_sh_runs_every_stage_in_order_and_skips_a_finished_one(tmp_path):
     calls = calls[[c.split()[0] for c in calls].index("warmup.py"):]
     assert [c.split()[0] for c in calls][:3] == ["warmup.py", "sft.py", "cft.py"]
     assert f"--out {tmp_path}/w/warmup" in calls[0] and f"--model {tmp_path}/w/warmup" in calls[1]
+    assert "--data data/workshop" in calls[1]  # the default: the workshop task; --full: the paper-sized one
+    (tmp_path / "calls").unlink()
+    subprocess.run(["bash", str(ROOT / "run.sh"), "--full", "--out", str(tmp_path / "f")], check=True, env=env,
+                   capture_output=True)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert all("--candidates" not in c for c in calls) and "--data data/synthetic" in calls[-3]
     bad = subprocess.run(["bash", str(ROOT / "run.sh"), "--epochs", "3"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument '--epochs'" in bad.stderr
 
@@ -310,3 +322,16 @@ def test_a_hub_tokenizer_resizes_a_smaller_models_embeddings(tmp_path):
     for ex in train:  # the chat template opens no think block of its own: the trace's is the only one
         assert (ex["prompt_ids"] + ex["response_ids"]).count(think) == 1 and ex["response_ids"][0] == think
     assert torch.isfinite(ar_loss(model, collate(train)))  # every id has a row
+
+
+def test_the_closing_lines_split_each_stages_minutes(tmp_path, capsys):
+    """report.py --times: wall minutes from run.sh, training / validation / test from each stage's metrics.json;
+    data.py has no split and the report's own decoding counts as test."""
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "metrics.json").write_text(json.dumps({"minutes": {"train": 6.0, "validation": 0.5, "test": 0.25}}))
+    report.main(["--run", str(tmp_path), "--times", "data:30", "sft:420", "report:90"])
+    rows = {line.split()[0]: line.split()[1:5] for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert rows["data"] == ["0.5", "-", "-", "-"] and rows["sft"] == ["7.0", "6.0", "0.5", "0.2"]
+    assert rows["report"] == ["1.5", "-", "-", "1.5"] and rows["total"] == ["9.0", "6.0", "0.5", "1.8"]
+    with pytest.raises(SystemExit):
+        report.main(["--run", str(tmp_path), "--times", "sft"])
