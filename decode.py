@@ -405,12 +405,13 @@ def write_predictions(path, examples, sid_of, texts, rows, roll):
 
 
 def test_stage(out, model, tok, examples, sid_of, mode, block=32, max_new=256, batch_size=64, tau_n=0, extra=None,
-               taus=SPEED_TAUS, train_minutes=None):
+               taus=SPEED_TAUS, train_minutes=None, test_since=None):
     """A stage's final test: greedy (AR) or tau = 1.0, plus (diffusion) each of `taus` on the first tau_n examples
     (0 = all). Writes OUT/predictions*.jsonl and then OUT/metrics.json (with `extra` merged in), which marks the
     stage finished, and prints the table. train_minutes: the stage's wall time before the test, which metrics.json
-    splits into training and validation (the `val_seconds` of OUT/log.jsonl) beside the test's own minutes."""
-    t0 = time.perf_counter()
+    splits into training and validation (the `val_seconds` of OUT/log.jsonl) beside the test's own minutes, counted
+    from now or from `test_since` (a time.time() taken where the stage's test began before this call)."""
+    t0 = test_since or time.time()
     quality, rows, texts, roll = evaluate(model, tok, examples, sid_of, mode, block, 1.0, max_new, batch_size, True)
     write_predictions(Path(out) / "predictions.jsonl", examples, sid_of, texts, rows, roll)
     sub, by_tau = examples[:tau_n] if tau_n else examples, {}
@@ -422,7 +423,7 @@ def test_stage(out, model, tok, examples, sid_of, mode, block=32, max_new=256, b
         log = Path(out) / "log.jsonl"
         val = sum(r.get("val_seconds", 0.0) for r in read_jsonl(log)) / 60 if log.exists() else 0.0
         result["minutes"] = {"train": max(0.0, train_minutes - val), "validation": val,
-                             "test": (time.perf_counter() - t0) / 60}
+                             "test": (time.time() - t0) / 60}
     write_atomic(Path(out) / "metrics.json", json.dumps(result, indent=2))
     print(f"test (n={result['n']})   R@1     R@3     NDCG@3  valid   tok/fwd")
     print(f"  retriever floor   {result['floor']['recall@1']:.4f}  {result['floor']['recall@3']:.4f}  {result['floor']['ndcg@3']:.4f}")

@@ -48,11 +48,13 @@ def parse_args(argv=None):
     ap.add_argument("--clean-prefix", action="store_true",  # [diffusion] assumption: off, the replayed canvas
                     help="score each token with everything before it clean and the rest of its block masked")
     ap.add_argument("--rows", type=int, default=64, help="replayed canvases per backward pass (memory, not maths)")
+    ap.add_argument("--kl-n", type=int, default=100,
+                    help="test examples for the KL to the teacher before and after OPD (each decodes them once more)")
     # assumption: lr 1e-4 with warm-up and cosine for 16 steps of 4 prompts on the tiny model (the paper: 1e-6
     # constant for ~1.5k steps of 128 prompts at 8B scale; pass --lr 1e-6 for a hub Qwen3)
     add_training_args(ap, steps=16, lr=1e-4, warmup=2, eval_every=8, token_weights=False)
     args = ap.parse_args(argv)
-    check_positive(ap, args, "group", "prompts_per_step", "rows", "eval_every")
+    check_positive(ap, args, "group", "prompts_per_step", "rows", "eval_every", "kl_n")
     return args
 
 
@@ -98,7 +100,7 @@ def main(argv=None):
     block, max_new = parent["block_size"], parent["max_new"]
     stage = {"stage": "opd", "parent": str(args.init), "teacher": str(args.teacher), "block_size": block,
              "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
-    kl_examples = test[:100]
+    kl_examples = test[:args.kl_n]
     print(f"rollouts: G'={args.group} x {args.prompts_per_step} prompts, tau={args.tau}, temperature={args.temperature}")
 
     opt = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -154,12 +156,12 @@ def main(argv=None):
     if not is_main():  # rank 0 saves and tests alone
         return None
     save_checkpoint(out, student, tok, {**stage, "step": args.steps})
-    train_minutes = (time.time() - t0) / 60
+    train_minutes, test_since = (time.time() - t0) / 60, time.time()
     kl_init, kl_final = read_jsonl(log.path)[0]["kl_test"], test_kl(student.eval(), teacher, tok, kl_examples, block, max_new)
     print(f"OPD took {(time.time() - t0) / 60:.1f} min; test KL to the teacher {kl_init:.4f} -> {kl_final:.4f}; testing ...")
     return test_stage(out, student, tok, test, sid, "diffusion", block, max_new, args.eval_batch, args.tau_n,
                       extra={"kl_to_teacher": {"init": kl_init, "final": kl_final}}, taus=args.taus,
-                      train_minutes=train_minutes)
+                      train_minutes=train_minutes, test_since=test_since)
 
 
 if __name__ == "__main__":

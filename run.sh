@@ -43,9 +43,9 @@ else
   # prompt and the response; 300 validation and test examples keep every evaluation a small share of the run.
   NAME=${NAME:-workshop} OUT=${OUT:-out}
   TASK="--candidates 5 --history 3 --max-eval 300"
-  SFT="--steps 1500 --batch-size 16 --eval-every 375"
-  CFT="--steps 1600 --batch-size 5 --eval-every 400 --val-n 50"
-  OPD="--steps 8 --eval-every 4 --val-n 50"
+  SFT="--steps 2400 --batch-size 8 --eval-every 600"
+  CFT="--steps 1600 --batch-size 5 --lr 1.5e-3 --eval-every 400 --val-n 50"
+  OPD="--steps 8 --eval-every 4 --val-n 50 --kl-n 32"
   RL="--steps 8 --eval-every 4 --val-n 50"
   REPORT="--bench-n 50"
 fi
