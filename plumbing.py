@@ -196,7 +196,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in text:
+        # `is`, not `in`: a default of 0 equals False and would be hidden
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "%(default)" in text:
             return text
         return text + " (default: %(default)s)"
 

@@ -352,7 +352,9 @@ def time_lines(run, walls):
     total = {"wall": 0.0, "train": 0.0, "validation": 0.0, "test": 0.0}
     for name, seconds in walls.items():
         m = Path(run) / name / "metrics.json"
-        parts = json.loads(m.read_text()).get("minutes", {}) if m.exists() else {}
+        parts = json.loads(m.read_text()).get("minutes") if m.exists() else None
+        if not isinstance(parts, dict):  # data.py writes no metrics.json, the warm-up only its total
+            parts = {}
         if name == "report":
             parts = {"test": seconds / 60}
         cells = [f"{parts[k]:5.1f}" if k in parts else "    -" for k in ("train", "validation", "test")]

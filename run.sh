@@ -39,7 +39,7 @@ if [ -n "$FULL" ]; then
   RL="--steps 16 --eval-every 4"
   REPORT=""
 else
-  # The workshop task (data.py flags, README "The workshop task"): 5 candidates and 3 history items halve the
+  # The workshop task (data.py flags; README "Two sizes of one task"): 5 candidates and 3 history items halve the
   # prompt and the response; 300 validation and test examples keep every evaluation a small share of the run.
   NAME=${NAME:-workshop} OUT=${OUT:-out}
   TASK="--candidates 5 --history 3 --max-eval 300"

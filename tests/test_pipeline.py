@@ -238,6 +238,13 @@ def test_every_script_answers_help(script, capsys):
     assert exit_.value.code == 0 and "--" in capsys.readouterr().out
 
 
+def test_help_shows_a_default_of_zero_but_not_an_unset_flag(capsys):
+    with pytest.raises(SystemExit):
+        sft.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(0 = 1.25x the longest trace) (default: 0)" in text and "start over (default" not in text
+
+
 def test_decode_command_line_benchmarks_and_shows(run, tmp_path, capsys):
     d, out = run
     path = tmp_path / "bench.json"
@@ -329,9 +336,12 @@ def test_the_closing_lines_split_each_stages_minutes(tmp_path, capsys):
     data.py has no split and the report's own decoding counts as test."""
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "metrics.json").write_text(json.dumps({"minutes": {"train": 6.0, "validation": 0.5, "test": 0.25}}))
-    report.main(["--run", str(tmp_path), "--times", "data:30", "sft:420", "report:90"])
+    (tmp_path / "warmup").mkdir()
+    (tmp_path / "warmup" / "metrics.json").write_text(json.dumps({"minutes": 3.0}))  # the warm-up's total only
+    report.main(["--run", str(tmp_path), "--times", "data:30", "warmup:180", "sft:420", "report:90"])
     rows = {line.split()[0]: line.split()[1:5] for line in capsys.readouterr().out.splitlines() if line.strip()}
     assert rows["data"] == ["0.5", "-", "-", "-"] and rows["sft"] == ["7.0", "6.0", "0.5", "0.2"]
-    assert rows["report"] == ["1.5", "-", "-", "1.5"] and rows["total"] == ["9.0", "6.0", "0.5", "1.8"]
+    assert rows["warmup"] == ["3.0", "-", "-", "-"] and rows["report"] == ["1.5", "-", "-", "1.5"]
+    assert rows["total"] == ["12.0", "6.0", "0.5", "1.8"]
     with pytest.raises(SystemExit):
         report.main(["--run", str(tmp_path), "--times", "sft"])
