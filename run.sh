@@ -2,7 +2,7 @@
 # The whole Diffusion-GR2 recipe in one command: data -> AR re-ranker -> naive conversion -> CFT -> OPD -> RL -> report.
 #
 #   bash run.sh                                   # the workshop task on a CPU (5 candidates; about 30 minutes on 2 cores)
-#   bash run.sh --full                            # the paper-sized task (10 candidates), budgets to CFT's plateau: hours
+#   bash run.sh --full                            # the paper-sized task (10 candidates), 3 epochs of CFT: hours
 #   bash run.sh --device cuda --out out-gpu       # either on a GPU
 #   bash run.sh --full --data beauty --raw ../shared/data/amazon-beauty --out out-beauty   # a real catalogue
 #   bash run.sh --warmup ...                      # first teach the random-init model to copy SIDs (warmup.py)
@@ -30,7 +30,7 @@ done
 
 if [ -n "$FULL" ]; then
   # The paper-sized task: 10 candidates, 5 history items, responses of about 224 tokens. CFT runs 3 epochs (the
-  # paper's) of the ~6,500 traces.
+  # paper's) of the ~6,500 traces; assumption: the SFT, OPD and RL budgets (the paper's do not fit a CPU).
   NAME=${NAME:-synthetic} OUT=${OUT:-out-full}
   TASK=""
   SFT="--steps 3000 --batch-size 16 --eval-every 500"
@@ -39,8 +39,9 @@ if [ -n "$FULL" ]; then
   RL="--steps 16 --eval-every 4"
   REPORT=""
 else
-  # The workshop task (data.py flags; README "Two sizes of one task"): 5 candidates and 3 history items halve the
-  # prompt and the response; 300 validation and test examples keep every evaluation a small share of the run.
+  # assumption: the workshop task (data.py flags; README "Two sizes of one task"): 5 candidates and 3 history items
+  # halve the prompt and the response; 300 validation and test examples keep every evaluation a small share of the
+  # run; small SFT batches give more updates a minute; CFT's lr 1.5e-3 for its 1.3 epochs.
   NAME=${NAME:-workshop} OUT=${OUT:-out}
   TASK="--candidates 5 --history 3 --max-eval 300"
   SFT="--steps 2400 --batch-size 8 --eval-every 600"
