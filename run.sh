@@ -29,7 +29,7 @@ while [ $# -gt 0 ]; do
 done
 
 if [ -n "$FULL" ]; then
-  # The paper-sized task: 10 candidates, 5 history items, responses of about 224 tokens. CFT runs 3 epochs (the
+  # The paper-sized task: 10 candidates, 5 history items, responses of about 231 tokens. CFT runs 3 epochs (the
   # paper's) of the ~6,500 traces; assumption: the SFT, OPD and RL budgets (the paper's do not fit a CPU).
   NAME=${NAME:-synthetic} OUT=${OUT:-out-full}
   TASK=""
