@@ -405,7 +405,7 @@ def write_predictions(path, examples, sid_of, texts, rows, roll):
 
 
 def test_stage(out, model, tok, examples, sid_of, mode, block=32, max_new=256, batch_size=64, tau_n=0, extra=None,
-               taus=SPEED_TAUS, train_minutes=None, test_since=None):
+               taus=(0.9,), train_minutes=None, test_since=None):
     """A stage's final test: greedy (AR) or tau = 1.0, plus (diffusion) each of `taus` on the first tau_n examples
     (0 = all). Writes OUT/predictions*.jsonl and then OUT/metrics.json (with `extra` merged in), which marks the
     stage finished, and prints the table. train_minutes: the stage's wall time before the test, which metrics.json

@@ -348,21 +348,21 @@ def delta_lines(rows, title):
 def time_lines(run, walls):
     """The run's minutes per stage: wall time (this invocation of run.sh) split into training, validation and test
     from each stage's metrics.json; `walls`: {stage: seconds}. The report and data.py only evaluate / build."""
-    lines = ["stage     wall   train   validation   test", ""]
-    total = {"wall": 0.0, "train": 0.0, "validation": 0.0, "test": 0.0}
+    keys = ("train", "validation", "test")
+    lines, total = ["stage     wall   train   validation   test"], dict.fromkeys(("wall", *keys), 0.0)
     for name, seconds in walls.items():
         m = Path(run) / name / "metrics.json"
         parts = json.loads(m.read_text()).get("minutes") if m.exists() else None
-        if not isinstance(parts, dict):  # data.py writes no metrics.json, the warm-up only its total
-            parts = {}
         if name == "report":
             parts = {"test": seconds / 60}
-        cells = [f"{parts[k]:5.1f}" if k in parts else "    -" for k in ("train", "validation", "test")]
-        lines.insert(-1, f"{name:<8} {seconds / 60:5.1f}   {cells[0]}   {cells[1]}        {cells[2]}")
+        elif not isinstance(parts, dict):  # data.py writes no metrics.json, the warm-up only its total
+            parts = {}
+        cells = [f"{parts[k]:5.1f}" if k in parts else "    -" for k in keys]
+        lines.append(f"{name:<8} {seconds / 60:5.1f}   {cells[0]}   {cells[1]}        {cells[2]}")
         total["wall"] += seconds / 60
         for k, v in parts.items():
             total[k] += v
-    lines[-1] = (f"{'total':<8} {total['wall']:5.1f}   {total['train']:5.1f}   {total['validation']:5.1f}        "
+    lines.append(f"{'total':<8} {total['wall']:5.1f}   {total['train']:5.1f}   {total['validation']:5.1f}        "
                  f"{total['test']:5.1f}   (minutes; the report's decoding counts as test)")
     return lines
 
