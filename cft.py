@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 import data
-from decode import test_stage, validate
+from harness import test_stage, validate
 from model import diffusion_loss, init_mask_embedding, sample_noise
 from plumbing import (HelpFormatter, Log, add_training_args, all_mean, batch_indices, check_positive, collate, ddp_setup,
                       is_main, load_checkpoint, lr_at, my_share, resume, save_checkpoint, save_progress, setup, sync_grads)
@@ -55,9 +55,9 @@ def parse_args(argv=None):
     return args
 
 
-def convert(init, attn, dtype):  # [diffusion]
+def convert(init, attn, dtype, data_dir=None):  # [diffusion]
     """The AR checkpoint as a block-diffusion model: the same weights, the mask token's row initialised."""
-    model, tok, parent = load_checkpoint(init, attn, dtype, diffusion=False)
+    model, tok, parent = load_checkpoint(init, attn, dtype, diffusion=False, data=data_dir)
     init_mask_embedding(model, tok.mask_token_id, len(tok))
     return model, tok, parent
 
@@ -69,7 +69,7 @@ def main(argv=None):
         raise SystemExit("error: --inv-t is not supported under torchrun")
     out = setup(args)
     train, valid, test, sid = data.load_splits(args.data, args.val_n, args.test_n)
-    model, tok, parent = convert(args.init, args.attn, args.dtype)
+    model, tok, parent = convert(args.init, args.attn, args.dtype, args.data)
     model.to(args.device)
     max_new = args.block * math.ceil(parent["max_new"] / args.block)  # [diffusion] whole blocks
     stage = {"stage": "naive" if args.steps == 0 else "cft", "parent": str(args.init), "block_size": args.block,

@@ -82,7 +82,7 @@ def init_mask_embedding(model, mask_id, n_real):  # [diffusion]
     with torch.no_grad():
         keep = torch.ones(n_real, dtype=torch.bool)
         keep[mask_id] = False
-        emb[mask_id] = emb[:n_real][keep].mean(0)
+        emb[mask_id] = emb[:n_real][keep].mean(0)  # assumption: the mean embedding (METHOD.md's suggestion)
 
 
 def without_mask(logits, mask_id):  # [diffusion]
@@ -201,6 +201,8 @@ def ar_loss(model, batch, lam_r=0.5, lam_o=1.0, pad_id=0):
     w = token_weights([len(r) for r in responses], batch["n_reasoning"], lam_r, lam_o)
     w = torch.cat([w[i, :len(r)] for i, r in enumerate(responses)]).to(model.device)  # (row, position) order
     targets = torch.tensor([t for r in responses for t in r], device=model.device)
+    # assumption: the softmax runs over the whole vocabulary, the mask token included (it is never a target, so
+    # training pushes it down; the diffusion policy leaves it out altogether, see without_mask)
     ce = F.cross_entropy(ar_logits(model, prompts, responses, pad_id), targets, reduction="none")
     return (w * ce).sum() / w.sum()
 
@@ -252,9 +254,11 @@ def diffusion_loss(model, batch, block, mask_id, lam_r=0.5, lam_o=1.0, t_range=(
         return torch.zeros((), requires_grad=True), 0
     logits = gather_logits(model, hidden_states(model, rows), (b, col))
     targets = torch.tensor([responses[bi][ji] for bi, ji in zip(b.tolist(), j.tolist())], device=logits.device)
-    ce = F.cross_entropy(logits, targets, reduction="none")
+    ce = F.cross_entropy(logits, targets, reduction="none")  # assumption: the mask token stays in the training softmax
     w, lv = w.to(logits.device), lv.to(logits.device)
     scale = w / lv if inv_t else w  # assumption: no 1/t weight (as Fast-dLLM v2); --inv-t turns it on
+    # assumption: divide by the summed weight of the scored tokens, a weighted mean over them: with complementary
+    # masks that is every response token once, with one copy the masked ones only; 1/t never enters the divisor
     return (scale * ce).sum() / w.sum(), len(b)
 
 

@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 import data
 import eval as metrics
-from decode import generate, replay_chunks, test_stage, validate
+from decode import diffusion_generate, replay_chunks
+from harness import test_stage, validate
 from model import ar_logits, token_kl
 from plumbing import (HelpFormatter, Log, add_training_args, all_mean, all_sum, batch_indices, check_positive, ddp_setup,
                       is_main, load_checkpoint, lr_at, my_share, read_jsonl, resume, save_checkpoint, save_progress, setup,
@@ -81,7 +82,7 @@ def test_kl(student, teacher, tok, examples, block, max_new, batch=16):
     total = 0.0
     for s in tqdm(range(0, len(examples), batch), desc="test KL", leave=False):
         prompts = [ex["prompt_ids"] for ex in examples[s:s + batch]]
-        roll, _ = generate(student, tok, prompts, "diffusion", block, 1.0, max_new, len(prompts))
+        roll = diffusion_generate(student, prompts, block, 1.0, max_new, tok.mask_token_id, tok.eos_token_id, tok.pad_token_id)
         total += sum(opd_losses(student, teacher, prompts, roll, block, tok.mask_token_id, tok.pad_token_id)).item()
     return total / max(len(examples), 1)
 
@@ -91,11 +92,9 @@ def main(argv=None):
     rank, world = ddp_setup(args)
     out = setup(args)
     train, valid, test, sid = data.load_splits(args.data, args.val_n, args.test_n)
-    student, tok, parent = load_checkpoint(args.init, args.attn, args.dtype, diffusion=True)
-    teacher, t_tok, _ = load_checkpoint(args.teacher, args.attn, args.dtype, diffusion=False)
-    if student.config.vocab_size != teacher.config.vocab_size or tok.get_vocab() != t_tok.get_vocab():
-        raise SystemExit(f"error: {args.init} and {args.teacher} have different vocabularies: distillation compares "
-                         "distributions token by token")
+    # both read the data's tokenizer, so they share one vocabulary: the KL compares distributions token by token
+    student, tok, parent = load_checkpoint(args.init, args.attn, args.dtype, diffusion=True, data=args.data)
+    teacher, _, _ = load_checkpoint(args.teacher, args.attn, args.dtype, diffusion=False, data=args.data)
     student.to(args.device), teacher.to(args.device).eval().requires_grad_(False)
     block, max_new = parent["block_size"], parent["max_new"]
     stage = {"stage": "opd", "parent": str(args.init), "teacher": str(args.teacher), "block_size": block,
@@ -119,7 +118,8 @@ def main(argv=None):
         prompts = [ex["prompt_ids"] for ex in examples]
         student.eval()  # [diffusion] the student's own trajectories, from the real decoder
         gen = torch.Generator(device=args.device).manual_seed((args.seed * 100003 + step) * world + rank)
-        roll, _ = generate(student, tok, prompts, "diffusion", block, args.tau, max_new, len(prompts), args.temperature, gen)
+        roll = diffusion_generate(student, prompts, block, args.tau, max_new, tok.mask_token_id, tok.eos_token_id,
+                                  tok.pad_token_id, args.temperature, gen)
         student.train()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)

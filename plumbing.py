@@ -93,22 +93,39 @@ def save_checkpoint(path, model, tok, stage, extra=None):
     tmp.rmdir()
 
 
-def load_checkpoint(path, attn="sdpa", dtype="float32", tok=None, diffusion=None):
+def load_checkpoint(path, attn="sdpa", dtype="float32", tok=None, diffusion=None, data=None):
     """(model, tokenizer, stage dict) from a folder written by save_checkpoint; never unpickles code.
 
     diffusion=True / False: the checkpoint must be a block-diffusion / an AR one (a clear error otherwise).
-    `tok`: the run's tokenizer, already in memory, instead of parsing it again."""
+    `tok`: the run's tokenizer, already in memory, instead of parsing it again. `data`: the data folder the
+    run reads, whose tokenizer the checkpoint's must be (check_tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = Path(path)
     if not (path / "stage.json").exists():
         raise SystemExit(f"error: {path} is not a finished checkpoint of this project (no stage.json)")
     stage = json.loads((path / "stage.json").read_text())
     if diffusion is not None and bool(stage.get("block_size")) != diffusion:
-        want = "a block-diffusion checkpoint (cft.py, opd.py or rl.py)" if diffusion else "an AR checkpoint (sft.py)"
+        want = "a block-diffusion checkpoint (cft.py, opd.py or rl.py)" if diffusion else "an AR checkpoint (sft.py or rl.py)"
         raise SystemExit(f"error: {path} is a '{stage.get('stage')}' checkpoint; this needs {want}")
+    own = AutoTokenizer.from_pretrained(path) if tok is None or data is not None else tok
+    if data is not None:
+        check_tokenizer(path, own, data)
+    tok = own if tok is None else tok
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=DTYPES[dtype], use_safetensors=True)
-    tok = AutoTokenizer.from_pretrained(path) if tok is None else tok
     return with_dtype(model, dtype), tok, stage
+
+
+def check_tokenizer(path, tok, data_dir):
+    """A clear error where the model in `path` (its tokenizer: `tok`) was trained with another tokenizer than the
+    data in `data_dir`: the data's token ids would mean other tokens to it, or run past its embedding."""
+    from transformers import AutoTokenizer
+    theirs = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
+    if tok.get_vocab() != theirs.get_vocab():
+        stage = Path(path) / "stage.json"
+        trained = json.loads(stage.read_text()).get("data") if stage.exists() else None
+        raise SystemExit(f"error: the tokenizer of {path} ({len(tok)} tokens" + (f", trained on {trained}" if trained else "")
+                         + f") is not the tokenizer of {data_dir} ({len(theirs)} tokens): give the --data it was trained "
+                         "on, or train it on this data")
 
 
 # ----------------------------------------------------------------------------- resuming and logging
@@ -160,6 +177,7 @@ class Log:
             return float("inf")
 
     def __call__(self, **rec):
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # OUT is made by its first record or checkpoint
         if torch.cuda.is_available():  # what a GPU user sizes the batch by
             rec["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         with open(self.path, "a") as f:
@@ -243,17 +261,18 @@ def check_positive(ap, args, *names):
 
 
 def setup(args):
-    """Resolve --dtype auto, print the config, make OUT and return it as a Path.
+    """Resolve --dtype auto, print the config and return OUT as a Path.
 
-    metrics.json and the predictions describe a finished stage's checkpoint: a run that may change the
-    checkpoint deletes them first, so an interrupted run is never taken for a finished one (run.sh skips
-    a stage whose metrics.json exists). --fresh also drops OUT/last."""
+    OUT is not made here: its first log record or checkpoint makes it, so a start that fails on its inputs
+    (a missing checkpoint, another dataset's tokenizer) leaves nothing behind. metrics.json and the
+    predictions describe a finished stage's checkpoint: a run that may change the checkpoint deletes them
+    first, so an interrupted run is never taken for a finished one (run.sh skips a stage whose metrics.json
+    exists). --fresh also drops OUT/last."""
     args.dtype = resolve_dtype(args.dtype, args.device)
     out = Path(args.out)
     if not is_main():  # rank 0 owns OUT
         return out
     print("config:", json.dumps(vars(args)))
-    out.mkdir(parents=True, exist_ok=True)
     for stale in [out / "metrics.json", *out.glob("predictions*.jsonl")]:
         stale.unlink(missing_ok=True)
     if args.fresh:

@@ -1,7 +1,7 @@
 """
 The paper's two tables for one pipeline run, with its figures.
 
-`python report.py --run out --data data/synthetic` evaluates every checkpoint of the run (sft, naive,
+`python report.py --run out --data data/synthetic` evaluates every checkpoint of the run (sft, ar-rl, naive,
 cft, opd, rl) on the same test examples and writes into the run's folder:
 
     results.md / results.json   Table 1, the stage ladder at tau = 1.0 (AR greedy), 95% bootstrap intervals,
@@ -27,15 +27,20 @@ import numpy as np
 from transformers import AutoTokenizer
 
 import data
-from decode import COMMIT_RULES, SPEED_TAUS, bench_checkpoints, evaluate, write_predictions
+from decode import COMMIT_RULES
 from eval import (INVALID_CAUSES, METRIC_KEYS, SID_RE, bootstrap_ci, floor_rows, invalid_cause, paired_bootstrap,
                   score_responses, sid_str, summarize)
+from harness import SPEED_TAUS, bench_checkpoints, evaluate, write_predictions
 from model import NOISY, attention_mask, build_rows
-from plumbing import DTYPE_HELP, DTYPES, HelpFormatter, load_checkpoint, read_jsonl, resolve_dtype, write_atomic
+from plumbing import DTYPE_HELP, DTYPES, HelpFormatter, check_tokenizer, load_checkpoint, read_jsonl, resolve_dtype, write_atomic
 
-STAGES = [("sft", "AR re-ranker (GR2)"), ("naive", "naive conversion"), ("cft", "+ CFT"),
+# The AR rows: sft.py's model, and GR2's RL stage on it (rl.py --init sft) where the run has one. The last of them
+# is the run's AR reference (the paper's GR2 row): the diffusion stages start from it and are measured against it.
+AR_STAGES = ("sft", "ar-rl")
+STAGES = [("sft", "AR re-ranker (SFT)"), ("ar-rl", "AR re-ranker (SFT + RL)"), ("naive", "naive conversion"), ("cft", "+ CFT"),
           ("opd", "+ CFT + OPD"), ("rl", "+ CFT + OPD -> RL")]
-PAPER = {"retriever floor": (0.2811, 0.5591, 0.4401), "AR re-ranker (GR2)": (0.2960, 0.5651, 0.4497),
+PAPER = {"retriever floor": (0.2811, 0.5591, 0.4401), "AR re-ranker (SFT)": (0.2960, 0.5651, 0.4497),
+         "AR re-ranker (SFT + RL)": (0.2960, 0.5651, 0.4497),  # the paper's one AR row, GR2 (SFT + RL)
          "naive conversion": (0.2811, 0.5591, 0.4401), "+ CFT": (0.2930, 0.5651, 0.4497),
          "+ CFT + OPD": (0.2944, 0.5658, 0.4497), "+ CFT + OPD -> RL": (0.2951, 0.5671, 0.4517)}
 
@@ -116,7 +121,7 @@ def table1b(run, examples, sid_of, tok, final, tau=0.9, device="cpu", dtype="flo
     The AR re-ranker (greedy) is the reference row, so CFT's paired difference is its gap to AR. The last row
     decodes the final model left to right (beyond the paper), paired with the same model under the paper's rule."""
     entries = [("floor", "retriever floor", None)]
-    entries += [(stage, name, stage_predictions(run, stage, examples, sid_of, tok, 1.0 if stage == "sft" else tau, device,
+    entries += [(stage, name, stage_predictions(run, stage, examples, sid_of, tok, 1.0 if stage in AR_STAGES else tau, device,
                                                 dtype=dtype))
                 for stage, name in STAGES if stage != "naive" and (Path(run) / stage / "stage.json").exists()]
     if final:
@@ -263,9 +268,9 @@ def paired(path_a, path_b, data_dir):
     return rows
 
 
-def speed_lines(t2, final, ratio, n):
+def speed_lines(t2, ar, final, ratio, n):
     """results.md's Table 2."""
-    lines = ["", f"## Table 2: decoding speed, AR against `{final}` (first {n} test prompts, this machine, float32)", "",
+    lines = ["", f"## Table 2: decoding speed, AR (`{ar}`) against `{final}` (first {n} test prompts, this machine, float32)", "",
              f"Block {t2[1]['block']}; one block forward costs {ratio:.2f}x a 1-token AR step here (batch 1). *threshold* is "
              "the paper's commit rule; *left-to-right* commits from the leftmost mask while the product of the "
              "confidences is >= tau (beyond the paper). *draft-verify* (beyond the paper): the final model drafts each "
@@ -290,18 +295,22 @@ def report(run, data_dir, bench_n=100, batch_sizes=(1, 16), taus=SPEED_TAUS, tau
     test, sid_of = data.load_split(data_dir, "test")
     tok = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
     final = next((s for s in ("rl", "opd", "cft") if (run / s / "stage.json").exists()), None)
+    ar = next((s for s in reversed(AR_STAGES) if (run / s / "stage.json").exists()), None)  # the AR reference
+    for stage, _ in STAGES:  # before any decoding: every checkpoint must read this data's token ids
+        if (run / stage / "stage.json").exists():
+            check_tokenizer(run / stage, AutoTokenizer.from_pretrained(run / stage), data_dir)
     t1 = table1(run, test, sid_of, tok, device, dtype)
     t1b = table1b(run, test[:tau_n] if tau_n else test, sid_of, tok, final, 0.9, device, dtype)
     t2, ratio = [], None
-    if final and (run / "sft" / "stage.json").exists():
-        t2, ratio = bench_checkpoints(run / "sft", run / final, test[:bench_n], sid_of, taus, batch_sizes, device,
-                                      COMMIT_RULES, dtype=dtype)
+    if final and ar:
+        t2, ratio = bench_checkpoints(run / ar, run / final, test[:bench_n], sid_of, taus, batch_sizes, device,
+                                      COMMIT_RULES, dtype=dtype, data_dir=data_dir)
         plot_frontier(t2, run / "frontier.png")
     plot_curves(run, run / "curves.png")
     plot_masks(run / "masks.png")
     stats = json.loads((Path(data_dir) / "stats.json").read_text())
     result = {"data": str(data_dir), "n_test": len(test), "table1": t1, "table1b_tau0.9": t1b, "table2": t2,
-              "forward_cost_ratio": ratio, "dtype": dtype, "final_diffusion": final, "data_stats": stats}
+              "forward_cost_ratio": ratio, "dtype": dtype, "ar_reference": ar, "final_diffusion": final, "data_stats": stats}
     write_atomic(run / "results.json", json.dumps(result, indent=2))
     lines = [f"# Diffusion-GR2 results: {data_dir} (test n = {len(test)})", "",
              "## Table 1: the stage ladder (tau = 1.0; AR greedy), 95% bootstrap intervals", "",
@@ -329,7 +338,7 @@ def report(run, data_dir, bench_n=100, batch_sizes=(1, 16), taus=SPEED_TAUS, tau
                          f"{r['valid_rate']:.3f} | {tpf} |")
         lines += delta_lines(t1b[2:], "Paired differences to the row above at tau = 0.9:") + invalid_lines(t1b)
     if t2:
-        lines += speed_lines(t2, final, ratio, bench_n)
+        lines += speed_lines(t2, ar, final, ratio, bench_n)
     lines += ["", "![training curves](curves.png)", "", "![attention masks](masks.png)", ""]
     write_atomic(run / "results.md", "\n".join(lines))
     print("\n".join(lines))
@@ -369,7 +378,7 @@ def time_lines(run, walls):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--run", default="out", help="the run's output folder (holds sft/, naive/, cft/, opd/, rl/)")
+    ap.add_argument("--run", default="out", help="the run's output folder (holds sft/, ar-rl/, naive/, cft/, opd/, rl/)")
     ap.add_argument("--data", default="data/synthetic", help="folder written by data.py")
     ap.add_argument("--bench-n", type=int, default=100, help="test prompts for the speed table (the first N)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="decoding batch sizes for the speed table")

@@ -1,5 +1,6 @@
 """
-Stage 3: RL against the re-ranking reward -- trajectory-replay GRPO on the block-diffusion policy.
+Stage 3: RL against the re-ranking reward -- trajectory-replay GRPO on the block-diffusion policy
+(and, given an AR checkpoint, GR2's own RL stage for the AR re-ranker: its block-size-1 case).
 
 For each training prompt the policy decodes G rollouts with the real block-diffusion decoder (the rule it
 is tested with). Each gets GR2's reward (eval.rerank_reward): the target's rank promotion over the
@@ -16,7 +17,16 @@ committed from: the decoder's step map, replayed by decode.replay_chunks (the sa
 the mask token left out of the distribution as it is when sampling. Watch the identity rate (answers that
 copy the retriever order): the reward-hacking signal.
 
+Given an AR checkpoint (sft.py's), the same loop is GR2's RL stage (METHOD.md section 2): with blocks of
+one token the decoder is AR decoding and every token is committed at step 0 of its block, so the replayed
+canvas holds exactly the tokens before it and log pi(y_i) is the AR model's causal log-probability (a test
+checks it). The result stays an AR checkpoint: the AR row and OPD's teacher of `run.sh --full`. Of DAPO's
+changes to GRPO (GR2 names DAPO) both policies get token-level normalisation, no KL term, and dropping
+zero-variance groups (without DAPO's re-sampling to refill the batch); not its asymmetric clip-higher or its
+overlong-response penalty (one symmetric eps; the decoding budget caps every response).
+
     python rl.py --data data/synthetic --init out/opd --out out/rl                 # CPU: 8 steps of 8 x 8 rollouts
+    python rl.py --data data/synthetic --init out/sft --out out/ar-rl              # the AR re-ranker's RL (GR2)
     python rl.py --data data/synthetic-qwen3 --init out/opd-qwen --out out/rl-qwen \\
         --device cuda --rows 16 --lr 5e-7 --steps 100 --eval-every 25                # one GPU
 """
@@ -28,14 +38,16 @@ from tqdm import tqdm
 
 import data
 import eval as metrics
-from decode import generate, replay_chunks, test_stage, validate
+from decode import diffusion_generate, replay_chunks
+from harness import test_stage, validate
 from plumbing import (HelpFormatter, Log, add_training_args, all_mean, all_sum, batch_indices, check_positive, ddp_setup,
                       is_main, load_checkpoint, lr_at, my_share, resume, save_checkpoint, save_progress, setup, sync_grads)
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--init", default="out/opd", help="the block-diffusion policy to start from")
+    ap.add_argument("--init", default="out/opd",
+                    help="the policy to start from: a block-diffusion checkpoint, or an AR one (GR2's RL stage)")
     ap.add_argument("--out", default="out/rl", help="checkpoint folder to write")
     ap.add_argument("--group", type=int, default=8, help="G: rollouts per prompt (the paper: 8)")
     ap.add_argument("--prompts-per-step", type=int, default=8,  # assumption: 8, sized for a CPU
@@ -117,16 +129,18 @@ def main(argv=None):
     rank, world = ddp_setup(args)
     out = setup(args)
     train, valid, test, sid = data.load_splits(args.data, args.val_n, args.test_n)
-    model, tok, parent = load_checkpoint(args.init, args.attn, args.dtype, diffusion=True)
+    model, tok, parent = load_checkpoint(args.init, args.attn, args.dtype, data=args.data)
     model.to(args.device)
-    block, max_new = parent["block_size"], parent["max_new"]
-    stage = {"stage": "rl", "parent": str(args.init), "block_size": block, "mask_token_id": tok.mask_token_id,
-             "data": str(args.data), "max_new": max_new, "args": vars(args)}
-    print(f"rollouts: G={args.group} x {args.prompts_per_step} prompts, tau={args.tau}, temperature={args.temperature}")
+    mode = "diffusion" if parent["block_size"] else "ar"
+    block, max_new = parent["block_size"] or 1, parent["max_new"]  # an AR policy is the block-size-1 case
+    stage = {"stage": "rl" if mode == "diffusion" else "ar-rl", "parent": str(args.init), "block_size": parent["block_size"],
+             "mask_token_id": tok.mask_token_id, "data": str(args.data), "max_new": max_new, "args": vars(args)}
+    print(f"{mode} policy, rollouts: G={args.group} x {args.prompts_per_step} prompts, "
+          + (f"tau={args.tau}, " if mode == "diffusion" else "") + f"temperature={args.temperature}")
 
     def held_out():
         """Mean reward of greedy (tau = 1.0) answers on validation prompts, and the validation metrics."""
-        val, texts = validate(model, tok, valid, sid, "diffusion", block, max_new, args.eval_batch)
+        val, texts = validate(model, tok, valid, sid, mode, block, max_new, args.eval_batch)
         rew = [metrics.rerank_reward(t, [sid[c] for c in ex["candidates"]], sid[ex["target"]]) for t, ex in zip(texts, valid)]
         return {"val_reward": sum(rew) / len(rew), **val}
 
@@ -143,7 +157,8 @@ def main(argv=None):
         prompts = [ex["prompt_ids"] for ex in examples]
         model.eval()
         gen = torch.Generator(device=args.device).manual_seed((args.seed * 100003 + step) * world + rank)
-        roll, _ = generate(model, tok, prompts, "diffusion", block, args.tau, max_new, len(prompts), args.temperature, gen)
+        roll = diffusion_generate(model, prompts, block, args.tau, max_new, tok.mask_token_id, tok.eos_token_id,
+                                  tok.pad_token_id, args.temperature, gen)  # B = 1: AR decoding
         texts = [tok.decode(t) for t in roll.tokens]
         rewards = [metrics.rerank_reward(t, [sid[c] for c in ex["candidates"]], sid[ex["target"]])
                    for t, ex in zip(texts, examples)]
@@ -177,7 +192,7 @@ def main(argv=None):
         return None
     save_checkpoint(out, model, tok, {**stage, "step": args.steps})
     print(f"RL took {(time.time() - t0) / 60:.1f} min; testing ...")
-    return test_stage(out, model.eval(), tok, test, sid, "diffusion", block, max_new, args.eval_batch, args.tau_n,
+    return test_stage(out, model.eval(), tok, test, sid, mode, block, max_new, args.eval_batch, args.tau_n,
                       taus=args.taus, train_minutes=(time.time() - t0) / 60)
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole Diffusion-GR2 recipe in one command: data -> AR re-ranker -> naive conversion -> CFT -> OPD -> RL -> report.
+# The whole Diffusion-GR2 recipe in one command: data -> AR re-ranker (SFT; with --full also its RL, GR2's own) ->
+# naive conversion -> CFT -> OPD -> RL -> report.
 #
 #   bash run.sh                                   # the workshop task on a CPU (5 candidates; about 30 minutes on 2 cores)
 #   bash run.sh --full                            # the paper-sized task (10 candidates), 3 epochs of CFT: hours
@@ -23,7 +24,7 @@ while [ $# -gt 0 ]; do
     --device) DEVICE="$2"; shift 2 ;;
     --full) FULL=1; shift ;;
     --warmup) WARMUP=1; shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -37,6 +38,7 @@ if [ -n "$FULL" ]; then
   CFT="--steps 4000 --batch-size 5 --eval-every 500"
   OPD="--steps 32 --eval-every 8"
   RL="--steps 16 --eval-every 4"
+  AR_RL="--steps 16 --eval-every 4"  # GR2's own RL stage: its result is the AR row, CFT's start and OPD's teacher
   REPORT=""
 else
   # assumption: the workshop task (data.py flags; README "Two sizes of one task"): 5 candidates and 3 history items
@@ -48,6 +50,7 @@ else
   CFT="--steps 1600 --batch-size 5 --lr 1.5e-3 --eval-every 400 --val-n 50"
   OPD="--steps 8 --eval-every 4 --val-n 50 --kl-n 32"
   RL="--steps 8 --eval-every 4 --val-n 50"
+  AR_RL=""  # assumption: no RL for the AR re-ranker here (it does not fit 30 minutes): SFT's model is the AR row
   REPORT="--bench-n 50"
 fi
 if [ -n "$RAW" ] && { [ "$NAME" = workshop ] || [ "$NAME" = synthetic ]; }; then
@@ -78,13 +81,18 @@ if [ -n "$WARMUP" ]; then
   stage warmup python warmup.py $D --out "$OUT/warmup"
 fi
 stage sft    python sft.py $D --out "$OUT/sft" ${WARMUP:+--model "$OUT/warmup"} $SFT
-stage naive  python cft.py $D --init "$OUT/sft" --out "$OUT/naive" --steps 0 --taus
-stage cft    python cft.py $D --init "$OUT/sft" --out "$OUT/cft" $CFT
-stage opd    python opd.py $D --init "$OUT/cft" --teacher "$OUT/sft" --out "$OUT/opd" $OPD
+AR="$OUT/sft"
+if [ -n "$AR_RL" ]; then
+  stage ar-rl python rl.py $D --init "$OUT/sft" --out "$OUT/ar-rl" $AR_RL
+  AR="$OUT/ar-rl"
+fi
+stage naive  python cft.py $D --init "$AR" --out "$OUT/naive" --steps 0 --taus
+stage cft    python cft.py $D --init "$AR" --out "$OUT/cft" $CFT
+stage opd    python opd.py $D --init "$OUT/cft" --teacher "$AR" --out "$OUT/opd" $OPD
 stage rl     python rl.py  $D --init "$OUT/opd" --out "$OUT/rl" $RL
 stage report python report.py --run "$OUT" --data "$DATA" --device "$DEVICE" $REPORT
 echo
 echo "== finished in $(( (SECONDS - T0) / 60 )) min $(( (SECONDS - T0) % 60 )) s (this invocation)"
 python report.py --run "$OUT" --times $STAGES
 echo "results: $OUT/results.md (tables), $OUT/curves.png, $OUT/frontier.png, $OUT/masks.png (figures)"
-echo "watch the final model denoise: python decode.py --show --ckpt $OUT/rl --data $DATA"
+echo "watch the final model denoise: python harness.py --show --ckpt $OUT/rl --data $DATA"

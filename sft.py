@@ -24,10 +24,10 @@ import torch
 from tqdm import tqdm
 
 import data
-from decode import test_stage, validate
+from harness import test_stage, validate
 from model import PRESETS, ar_loss, create_model
-from plumbing import (HelpFormatter, Log, add_training_args, all_mean, batch_indices, check_positive, collate, ddp_setup,
-                      is_main, lr_at, my_share, resume, save_checkpoint, save_progress, setup, sync_grads)
+from plumbing import (HelpFormatter, Log, add_training_args, all_mean, batch_indices, check_positive, check_tokenizer, collate,
+                      ddp_setup, is_main, lr_at, my_share, resume, save_checkpoint, save_progress, setup, sync_grads)
 
 
 def parse_args(argv=None):
@@ -50,6 +50,8 @@ def main(argv=None):
     train, valid, test, sid = data.load_splits(args.data, args.val_n, args.test_n)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(Path(args.data) / "tokenizer")
+    if (Path(args.model) / "stage.json").exists():  # one of this project's checkpoints: it must read this data's ids
+        check_tokenizer(args.model, AutoTokenizer.from_pretrained(args.model), args.data)
     max_new = args.max_new or data.max_new_tokens(train)
     model = create_model(args.model, tok, args.attn, args.dtype, args.seed).to(args.device)
     print(f"model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab "
@@ -87,7 +89,8 @@ def main(argv=None):
 
     if not is_main():  # rank 0 saves and tests alone
         return None
-    save_checkpoint(out, model, tok, {**stage, "step": args.steps})  # the last step is the checkpoint (every stage)
+    # assumption: the last step is the checkpoint, in every stage (no choice among steps by the validation curve)
+    save_checkpoint(out, model, tok, {**stage, "step": args.steps})
     print(f"SFT took {(time.time() - t0) / 60:.1f} min; testing ...")
     return test_stage(out, model.eval(), tok, test, sid, "ar", max_new=max_new, batch_size=args.eval_batch,
                       train_minutes=(time.time() - t0) / 60)

@@ -33,8 +33,8 @@ from tqdm import tqdm
 
 import data
 from model import PRESETS, ar_logits, ar_loss, create_model
-from plumbing import (HelpFormatter, Log, add_training_args, batch_indices, check_positive, collate, compute, lr_at,
-                      resume, save_checkpoint, save_progress, setup, write_atomic)
+from plumbing import (HelpFormatter, Log, add_training_args, batch_indices, check_positive, check_tokenizer, collate, compute,
+                      lr_at, resume, save_checkpoint, save_progress, setup, write_atomic)
 from teacher import answer_text
 
 SID_CODE = re.compile(r"<[a-d]_\d+>")  # one code of a SID, a token of its own in every tokenizer (data.py)
@@ -89,6 +89,8 @@ def main(argv=None):
     train, valid, _, sid = data.load_splits(args.data, args.val_n, 1)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(Path(args.data) / "tokenizer")
+    if (Path(args.model) / "stage.json").exists():  # one of this project's checkpoints: it must read this data's ids
+        check_tokenizer(args.model, AutoTokenizer.from_pretrained(args.model), args.data)
     model = create_model(args.model, tok, args.attn, args.dtype, args.seed).to(args.device)
     print(f"model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
           f"{len(train)} training prompts")

@@ -254,7 +254,7 @@ class WordTok:  # what the viewer needs of a tokenizer
 
 
 def test_viewer_highlights_exactly_the_tokens_committed_at_each_step(capsys):
-    from decode import show
+    from harness import show
     show(tiny(sharpen=30.0), WordTok(), {"prompt_ids": random_prompts(1)[0]}, block=4, tau=0.7, max_new=16)
     steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("block ")]
     assert {line.split()[1] for line in steps} >= {"0", "1"}  # it got past the first block

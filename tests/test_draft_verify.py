@@ -1,4 +1,4 @@
-"""Draft-verify decoding (decode.draft_verify_generate): a block-diffusion student drafts, an AR teacher verifies.
+"""Draft-verify decoding (draft_verify.draft_verify_generate): a block-diffusion student drafts, an AR teacher verifies.
 Whatever the student, the tokens must equal the teacher's own greedy AR decoding, token for token."""
 import copy
 import sys
@@ -11,7 +11,9 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decode  # noqa: E402
-from decode import ar_generate, draft_verify_generate  # noqa: E402
+import draft_verify  # noqa: E402
+from decode import ar_generate  # noqa: E402
+from draft_verify import draft_verify_generate  # noqa: E402
 from model import PRESETS, init_mask_embedding  # noqa: E402
 
 VOCAB, MASK, EOS, PAD = 61, 60, 59, 0
@@ -113,7 +115,7 @@ def test_teacher_cache_holds_exactly_the_fed_tokens(monkeypatch):
             super().__init__(*a, **k)
             made.append(self)
 
-    monkeypatch.setattr(decode, "CachedModel", Recorded)
+    monkeypatch.setattr(draft_verify, "CachedModel", Recorded)
     teacher, student = micro(7, sharpen=4.0), micro(8, sharpen=4.0)
     prompts = prompts_of(4, seed=2)
     out = dv(student, teacher, prompts, 4, 0.5, 11)

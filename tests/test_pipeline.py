@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 import cft
 import data
-import decode
 import eval as metrics
+import harness
 import opd
 import report
 import rl
@@ -21,7 +21,7 @@ import warmup
 from conftest import QWEN, ROOT, build_data
 from plumbing import load_checkpoint, read_jsonl, resolve_dtype
 
-STAGES = ("sft", "naive", "cft", "opd", "rl")
+STAGES = ("sft", "ar-rl", "naive", "cft", "opd", "rl")
 METRIC_FILE_KEYS = {"recall@1", "recall@3", "ndcg@3", "recall@5", "ndcg@5", "valid_rate", "invalid", "n", "floor"}
 F32 = ["--dtype", "float32"]  # every stage but SFT: exact and quick for a micro model on a CPU
 
@@ -35,7 +35,8 @@ def weights(folder):
 
 @pytest.fixture(scope="module")
 def run(tiny_data, tmp_path_factory):
-    """sft -> naive -> cft -> opd -> rl -> report on the tiny dataset; returns (data folder, run folder)."""
+    """sft -> naive -> cft -> opd -> rl, the AR re-ranker's RL (ar-rl), then the report on the tiny dataset;
+    returns (data folder, run folder)."""
     d, out = tiny_data, tmp_path_factory.mktemp("run")
     common = ["--data", str(d), "--val-n", "2", "--eval-batch", "4"]
     sft.main(common + ["--out", str(out / "sft"), "--model", "micro", "--steps", "2", "--eval-every", "2",
@@ -47,6 +48,8 @@ def run(tiny_data, tmp_path_factory):
                              "--steps", "1", "--prompts-per-step", "1", "--group", "2"])
     rl.main(common + F32 + ["--init", str(out / "opd"), "--out", str(out / "rl"), "--steps", "1", "--prompts-per-step",
                             "1", "--group", "2"])
+    rl.main(common + F32 + ["--init", str(out / "sft"), "--out", str(out / "ar-rl"), "--steps", "1", "--prompts-per-step",
+                            "1", "--group", "2", "--lr", "1e-2"])  # GR2's RL stage on the AR re-ranker
     report.report(out, d, bench_n=2, batch_sizes=(1,), taus=(0.9,))
     return d, out
 
@@ -60,9 +63,9 @@ def test_every_stage_writes_its_checkpoint_metrics_and_predictions(run):
         preds = read_jsonl(out / stage / "predictions.jsonl")
         assert len(preds) == n_test and {"id", "candidates", "target", "response", "parsed", "validity", "nfe"} <= set(preds[0])
         info = json.loads((out / stage / "stage.json").read_text())
-        assert info["stage"] == stage and info["block_size"] == (None if stage == "sft" else 8), stage
+        assert info["stage"] == stage and info["block_size"] == (None if stage in ("sft", "ar-rl") else 8), stage
         assert info["max_new"] == 32 and info["args"]["dtype"] != "auto", stage  # inherited; resolved, never "auto"
-        if stage != "sft":  # the default --taus: the report's tau = 0.9 table reads it
+        if stage not in ("sft", "ar-rl"):  # the default --taus: the report's tau = 0.9 table reads it
             assert set(m["by_tau"]) == {"0.9"}, stage
             assert all(len(read_jsonl(out / stage / f"predictions_tau{t}.jsonl")) == n_test for t in m["by_tau"])
         # the stage's minutes: validation is what log.jsonl recorded, training the rest of the time before the test
@@ -88,12 +91,12 @@ def test_the_report_writes_both_tables_and_the_figures(run):
     _, out = run
     res = json.loads((out / "results.json").read_text())
     assert [r["stage"] for r in res["table1"]] == ["floor", *STAGES]
-    assert [r["stage"] for r in res["table1b_tau0.9"]] == ["floor", "sft", "cft", "opd", "rl", "rl-ltr"]
+    assert [r["stage"] for r in res["table1b_tau0.9"]] == ["floor", "sft", "ar-rl", "cft", "opd", "rl", "rl-ltr"]
     assert "delta_recall@1_vs_prev" in res["table1b_tau0.9"][-1]  # left to right, paired with the paper's rule
     speed = [(r["decoder"], r["commit"], r["tau"]) for r in res["table2"]]
     assert speed[0] == ("ar", None, None) and res["table2"][0]["speedup"] == 1.0  # the reference, first
     assert {("diffusion", "threshold", 0.9), ("diffusion", "left-to-right", 0.9)} <= set(speed)  # both rules
-    assert res["dtype"] == "float32" and res["final_diffusion"] == "rl"
+    assert res["dtype"] == "float32" and res["final_diffusion"] == "rl" and res["ar_reference"] == "ar-rl"
     assert len(read_jsonl(out / "report" / "rl_left-to-right_predictions_tau0.9.jsonl")) == res["table1b_tau0.9"][0]["n"]
     for f in ("results.md", "frontier.png", "curves.png", "masks.png"):
         assert (out / f).stat().st_size > 0
@@ -180,20 +183,21 @@ def crash_after_step_two(monkeypatch, module):
     monkeypatch.setattr(module, "save_progress", crashing)
 
 
-@pytest.mark.parametrize("stage", ["sft", "cft", "opd", "rl"])
+@pytest.mark.parametrize("stage", ["sft", "cft", "opd", "rl", "ar-rl"])
 def test_interrupted_training_resumes_to_the_same_weights(run, tmp_path, monkeypatch, stage):
     """The batches, the noise (cft) and the rollouts' sampling (opd, rl) depend on the step alone, and the
     optimizer state is saved: the same command again ends exactly where an uninterrupted run ends."""
     d, out = run
-    module = {"sft": sft, "cft": cft, "opd": opd, "rl": rl}[stage]
+    module = {"sft": sft, "cft": cft, "opd": opd, "rl": rl, "ar-rl": rl}[stage]
     args = ["--data", str(d), "--val-n", "2", "--eval-batch", "4", "--steps", "3", "--test-n", "2", "--eval-every", "2",
             *F32]
     args += {"sft": ["--model", "micro", "--max-new", "8", "--batch-size", "2"],
              "cft": ["--init", str(out / "sft"), "--block", "8", "--tau-n", "1", "--batch-size", "2"],
              "opd": ["--init", str(out / "cft"), "--teacher", str(out / "sft"), "--tau-n", "1", "--prompts-per-step", "1",
                      "--group", "2"],
-             "rl": ["--init", str(out / "opd"), "--tau-n", "1", "--prompts-per-step", "1", "--group", "2"]}[stage]
-    if stage == "rl":  # a micro model two SFT steps old answers nothing valid: every reward -1, no group to learn from
+             "rl": ["--init", str(out / "opd"), "--tau-n", "1", "--prompts-per-step", "1", "--group", "2"],
+             "ar-rl": ["--init", str(out / "sft"), "--prompts-per-step", "1", "--group", "2"]}[stage]
+    if stage.endswith("rl"):  # a micro model two SFT steps old answers nothing valid: every reward -1, no group to learn from
         monkeypatch.setattr(metrics, "rerank_reward", lambda text, candidates, target: float(len(text) % 3))
     module.main(args + ["--out", str(tmp_path / "straight")])
     with monkeypatch.context() as m:
@@ -207,16 +211,17 @@ def test_interrupted_training_resumes_to_the_same_weights(run, tmp_path, monkeyp
     logged = [r["step"] for r in read_jsonl(tmp_path / "resumed" / "log.jsonl")]
     assert logged == {"sft": [2, 3], "cft": [0, 2, 3]}.get(stage, [0, 1, 2, 3])  # OPD and RL log every step
     assert logged == [r["step"] for r in read_jsonl(tmp_path / "straight" / "log.jsonl")]
-    if stage == "rl":  # the policy really moved: runs that never update would agree trivially
-        start = weights(out / "opd")
+    if stage.endswith("rl"):  # the policy really moved: runs that never update would agree trivially
+        start = weights(out / ("opd" if stage == "rl" else "sft"))
         assert any(not torch.equal(start[k], a[k]) for k in a)
+    if stage == "ar-rl":  # GR2's RL keeps an AR re-ranker: OPD's teacher and the AR rows load it as one
+        assert load_checkpoint(tmp_path / "straight", diffusion=False)[2]["block_size"] is None
 
 
 # ----------------------------------------------------------------------------- checkpoint kinds and command lines
 @pytest.mark.parametrize("script,flags,message", [
     ("opd", {"--init": "sft"}, "is a 'sft' checkpoint; this needs a block-diffusion checkpoint"),
     ("opd", {"--teacher": "cft"}, "is a 'cft' checkpoint; this needs an AR checkpoint"),
-    ("rl", {"--init": "sft"}, "is a 'sft' checkpoint; this needs a block-diffusion checkpoint"),
     ("cft", {"--init": "opd"}, "is a 'opd' checkpoint; this needs an AR checkpoint"),
     ("cft", {"--init": "missing"}, "is not a finished checkpoint of this project"),
 ])
@@ -228,9 +233,37 @@ def test_a_stage_given_the_wrong_kind_of_checkpoint_exits_with_a_clear_message(r
         argv += [flag, str(out / stage)]
     with pytest.raises(SystemExit, match=message):
         {"opd": opd, "rl": rl, "cft": cft}[script].main(argv)
+    assert not (tmp_path / script).exists()  # a start that fails on its inputs leaves nothing behind
 
 
-@pytest.mark.parametrize("script", [warmup, sft, cft, opd, rl, decode, data, report])
+@pytest.fixture(scope="module")
+def other_data(tmp_path_factory):
+    """A dataset whose tokenizer is not the run's: a smaller codebook, so other SID tokens (and fewer of them)."""
+    out = tmp_path_factory.mktemp("other") / "small-codebook"
+    assert data.main(["--out", str(out), "--users", "150", "--max-eval", "4", "--codebook", "64"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("script", ["sft", "cft", "opd", "rl", "ar-rl", "report", "harness"])
+def test_a_checkpoint_read_with_another_datasets_tokenizer_is_refused_by_name(run, other_data, tmp_path, script):
+    """Another dataset's token ids would mean other tokens to the model, or run past its embedding: every stage
+    names both folders instead, and leaves no output folder behind."""
+    _, out = run
+    dest = tmp_path / "out"
+    argv = ["--data", str(other_data), "--out", str(dest), *F32, "--steps", "1"]
+    call = {"sft": lambda: sft.main(argv + ["--model", str(out / "sft")]),
+            "cft": lambda: cft.main(argv + ["--init", str(out / "sft")]),
+            "opd": lambda: opd.main(argv + ["--init", str(out / "cft"), "--teacher", str(out / "sft")]),
+            "rl": lambda: rl.main(argv + ["--init", str(out / "opd")]),
+            "ar-rl": lambda: rl.main(argv + ["--init", str(out / "sft")]),
+            "report": lambda: report.report(out, other_data),
+            "harness": lambda: harness.main(["--show", "--ckpt", str(out / "rl"), "--data", str(other_data)])}[script]
+    with pytest.raises(SystemExit, match=rf"the tokenizer of .* is not the tokenizer of {other_data}"):
+        call()
+    assert not dest.exists()
+
+
+@pytest.mark.parametrize("script", [warmup, sft, cft, opd, rl, harness, data, report])
 def test_every_script_answers_help(script, capsys):
     """--help renders every flag's help (a stray % in a help string would crash argparse only here)."""
     with pytest.raises(SystemExit) as exit_:
@@ -245,22 +278,22 @@ def test_help_shows_a_default_of_zero_but_not_an_unset_flag(capsys):
     assert "(0 = 1.25x the longest trace) (default: 0)" in text and "start over (default" not in text
 
 
-def test_decode_command_line_benchmarks_and_shows(run, tmp_path, capsys):
+def test_harness_command_line_benchmarks_and_shows(run, tmp_path, capsys):
     d, out = run
     path = tmp_path / "bench.json"
-    decode.main(["--bench", "--ar", str(out / "sft"), "--diffusion", str(out / "rl"), "--data", str(d), "--n", "2",
-                 "--taus", "0.9", "--batch-sizes", "1", "--commit", "left-to-right", "--dtype", "bf16-mixed",
-                 "--json", str(path)])
+    harness.main(["--bench", "--ar", str(out / "sft"), "--diffusion", str(out / "rl"), "--data", str(d), "--n", "2",
+                  "--taus", "0.9", "--batch-sizes", "1", "--commit", "left-to-right", "--dtype", "bf16-mixed",
+                  "--json", str(path)])
     res = json.loads(path.read_text())
     assert res["device"] == "cpu" and res["dtype"] == "bf16-mixed"  # the requested dtype reached both decoders
     rows = [(r["decoder"], r["commit"], r["n"]) for r in res["rows"]]
     assert rows[0] == ("ar", None, 2) and ("diffusion", "left-to-right", 2) in rows  # --commit: that rule only
     assert ("diffusion", "threshold", 2) not in rows
     assert res["rows"][0]["speedup"] == 1.0
-    decode.main(["--show", "--ckpt", str(out / "rl"), "--data", str(d), "--tau", "0.5", "--dtype", "float32"])
+    harness.main(["--show", "--ckpt", str(out / "rl"), "--data", str(d), "--tau", "0.5", "--dtype", "float32"])
     assert "tokens per forward" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="is a 'sft' checkpoint"):
-        decode.main(["--show", "--ckpt", str(out / "sft"), "--data", str(d)])
+        harness.main(["--show", "--ckpt", str(out / "sft"), "--data", str(d)])
 
 
 def test_run_sh_runs_every_stage_in_order_and_skips_a_finished_one(tmp_path):
@@ -296,6 +329,11 @@ def test_run_sh_runs_every_stage_in_order_and_skips_a_finished_one(tmp_path):
                    capture_output=True)
     calls = (tmp_path / "calls").read_text().splitlines()
     assert all("--candidates" not in c for c in calls) and "--data data/synthetic" in calls[-3]
+    calls = calls[[c.split()[0] for c in calls].index("sft.py"):]
+    f = f"{tmp_path}/f"  # --full runs GR2's RL on the AR re-ranker: the AR model that CFT converts and OPD distils
+    assert [c.split()[0] for c in calls][:6] == ["sft.py", "rl.py", "cft.py", "cft.py", "opd.py", "rl.py"]
+    assert f"--init {f}/sft --out {f}/ar-rl" in calls[1] and f"--init {f}/ar-rl" in calls[2] and f"--init {f}/ar-rl" in calls[3]
+    assert f"--teacher {f}/ar-rl" in calls[4]
     bad = subprocess.run(["bash", str(ROOT / "run.sh"), "--epochs", "3"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument '--epochs'" in bad.stderr
 

@@ -113,6 +113,8 @@ def test_a_stage_starts_without_the_results_of_an_earlier_run(tmp_path, fresh):
     # metrics and answers describe a finished checkpoint: gone, so run.sh and the report cannot take them for this
     # run's; the log, the weights and (unless --fresh) OUT/last stay for resuming
     assert sorted(p.name for p in out.iterdir()) == sorted(["log.jsonl", "model.safetensors"] + ([] if fresh else ["last"]))
+    setup(argparse.Namespace(out=str(tmp_path / "new"), fresh=fresh, dtype="float32", device="cpu"))
+    assert not (tmp_path / "new").exists()  # made by the first record or checkpoint: a failed start leaves nothing
 
 
 def test_dtype_auto_is_bf16_mixed_only_where_the_cpu_computes_bfloat16_natively(monkeypatch, tmp_path):

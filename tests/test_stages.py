@@ -9,7 +9,7 @@ import torch
 import rl
 from conftest import EOS, MASK, PAD, random_prompts, tiny
 from decode import diffusion_generate
-from model import diffusion_loss, token_kl, without_mask
+from model import ar_logits, diffusion_loss, token_kl, without_mask
 from opd import opd_losses
 from rl import clipped_loss, group_advantages, policy_update, rollout_logprobs
 
@@ -126,6 +126,19 @@ def test_rollout_log_probs_are_the_sampling_distribution_at_each_commit():
         by_hand = torch.stack([torch.log_softmax(without_mask(seen[(i, r)], MASK) / 0.7, -1)[t] for r, t in enumerate(tokens)])
         assert torch.allclose(logp[owner == i].sort().values, by_hand.sort().values, atol=1e-4)
     assert torch.allclose(torch.cat([lp for lp, _ in parts[1]]), logp, atol=1e-5)
+
+
+def test_an_ar_policy_replays_to_its_causal_log_probs():
+    """GR2's RL stage is the block-size-1 case: the rollouts are AR decoding (every token committed at step 0 of
+    its one-token block) and the replayed log-probabilities are the AR model's causal ones, token for token."""
+    model, prompts = tiny(sharpen=2.0), random_prompts(3)
+    roll = rollouts(model, prompts, block=1, max_new=12, temperature=1.0)
+    assert all(s in (0, -1) for steps in roll.steps for s in steps)
+    logp, owner = (torch.cat(x) for x in zip(*rollout_logprobs(model, prompts, roll, 1, MASK, PAD, 1.0)))
+    causal = torch.log_softmax(without_mask(ar_logits(model, prompts, roll.tokens, PAD), MASK), -1)
+    chosen = torch.tensor([t for tokens in roll.tokens for t in tokens])
+    assert owner.tolist() == [i for i, tokens in enumerate(roll.tokens) for _ in tokens]  # (row, position) order
+    assert torch.allclose(logp, causal.gather(1, chosen[:, None])[:, 0], atol=1e-5)
 
 
 def update_args(updates):
