@@ -14,7 +14,13 @@ decode.replay_chunks -- the same function rl.py uses. Token shift lines the two 
 position: both logits for token i sit at position i-1. Both distributions leave out the mask token
 (the student never emits it) and are compared in float32.
 
+Latency OPD (beyond the paper; the README measures it beside the paper's): the student rolls out at a low
+tau, and the teacher is a block-diffusion checkpoint -- the student's own starting point -- reading each
+token with every earlier token of its block clean and the rest masked, the context of slow decoding. The
+fast decoder is taught to write what the slow one would have.
+
     python opd.py --data data/synthetic --init out/cft --teacher out/sft --out out/opd      # CPU: 16 steps
+    python opd.py --data data/workshop --init out/cft --teacher out/cft --tau 0.4 --out out/opd-latency
     python opd.py --data data/synthetic-qwen3 --init out/cft-qwen --teacher out/sft-qwen --out out/opd-qwen \\
         --device cuda --prompts-per-step 32 --rows 16 --lr 1e-6 --steps 200               # one GPU
 """
@@ -37,7 +43,9 @@ from plumbing import (HelpFormatter, Log, add_training_args, all_mean, all_sum, 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--init", default="out/cft", help="the CFT student checkpoint")
-    ap.add_argument("--teacher", default="out/sft", help="the frozen AR teacher checkpoint")
+    ap.add_argument("--teacher", default="out/sft",
+                    help="the frozen teacher: the AR re-ranker (the paper's), or a block-diffusion checkpoint such as "
+                         "--init itself with a low --tau (latency OPD, beyond the paper)")
     ap.add_argument("--out", default="out/opd", help="checkpoint folder to write")
     ap.add_argument("--group", type=int, default=4, help="G': trajectories the student decodes per prompt (the paper: 4)")
     ap.add_argument("--prompts-per-step", type=int, default=4,  # assumption: 4 (the paper: 128), sized for a CPU
@@ -59,31 +67,51 @@ def parse_args(argv=None):
     return args
 
 
-def opd_losses(student, teacher, prompts, roll, block, mask_id, pad_id, clean_prefix=False, max_rows=64):
+def clean_prefix(steps, block):  # [diffusion]
+    """A step map under which replay gives each token its clean prefix: every earlier token of its block clean,
+    the rest masked (what a left-to-right, one-token-per-forward decode of the same tokens would have seen)."""
+    return [[r % block if s >= 0 else -1 for r, s in enumerate(st)] for st in steps]
+
+
+def teacher_logits(teacher, teacher_block, prompts, roll, mask_id, pad_id, max_rows=64):
+    """The teacher's logits (N, V) for every kept token and {(trajectory, position): row of them}.
+
+    An AR teacher (teacher_block None, the paper's) reads the completion causally, one forward per trajectory.
+    A block-diffusion teacher (latency OPD, beyond the paper: the diffusion model itself, decoded slowly)
+    reads each token from its clean prefix, the best-informed context it has."""
+    keep = [len(t) for t in roll.tokens]
+    if teacher_block is None:
+        order = [(i, r) for i, k in enumerate(keep) for r in range(k)]
+        return ar_logits(teacher, prompts, roll.tokens, pad_id), {key: n for n, key in enumerate(order)}
+    parts = list(replay_chunks(teacher, prompts, roll.canvas, clean_prefix(roll.steps, teacher_block), teacher_block,  # [diffusion]
+                               mask_id, keep, pad_id, max_rows))
+    order = [key for _, o in parts for key in o]
+    return torch.cat([logits for logits, _ in parts]), {key: n for n, key in enumerate(order)}
+
+
+def opd_losses(student, teacher, prompts, roll, block, mask_id, pad_id, clean=False, max_rows=64, teacher_block=None):
     """The loss in parts, one per chunk of replayed canvases: each token's KL divided by its trajectory's
     length. The parts sum to the sum over trajectories of the mean KL per generated token (divide by
     the number of trajectories); a caller that trains backwards each part as it comes (memory)."""
     keep = [len(t) for t in roll.tokens]
-    with torch.no_grad():  # the teacher: one causal forward per trajectory, full next-token distributions
-        logits_t = ar_logits(teacher, prompts, roll.tokens, pad_id)
-    offset = [0] + torch.tensor(keep).cumsum(0)[:-1].tolist()
-    steps = roll.steps
-    if clean_prefix:  # [diffusion] replaying a left-to-right step map gives exactly the clean-prefix canvases
-        steps = [[r % block if s >= 0 else -1 for r, s in enumerate(st)] for st in steps]
+    with torch.no_grad():  # the teacher's full next-token distributions, once per trajectory
+        logits_t, row_of = teacher_logits(teacher, teacher_block, prompts, roll, mask_id, pad_id, max_rows)
+    steps = clean_prefix(roll.steps, block) if clean else roll.steps  # [diffusion] --clean-prefix
     for logits, order in replay_chunks(student, prompts, roll.canvas, steps, block, mask_id, keep, pad_id, max_rows):
-        kl = token_kl(logits_t[[offset[i] + r for i, r in order]], logits, mask_id)
+        kl = token_kl(logits_t[[row_of[key] for key in order]], logits, mask_id)
         length = torch.tensor([keep[i] for i, _ in order], device=kl.device, dtype=kl.dtype)
         yield (kl / length).sum()
 
 
 @torch.no_grad()
-def test_kl(student, teacher, tok, examples, block, max_new, batch=16):
+def test_kl(student, teacher, tok, examples, block, max_new, batch=16, teacher_block=None):
     """Mean KL(teacher || student) along the student's own greedy tau = 1.0 trajectories."""
     total = 0.0
     for s in tqdm(range(0, len(examples), batch), desc="test KL", leave=False):
         prompts = [ex["prompt_ids"] for ex in examples[s:s + batch]]
         roll = diffusion_generate(student, prompts, block, 1.0, max_new, tok.mask_token_id, tok.eos_token_id, tok.pad_token_id)
-        total += sum(opd_losses(student, teacher, prompts, roll, block, tok.mask_token_id, tok.pad_token_id)).item()
+        total += sum(opd_losses(student, teacher, prompts, roll, block, tok.mask_token_id, tok.pad_token_id,
+                                teacher_block=teacher_block)).item()
     return total / max(len(examples), 1)
 
 
@@ -94,7 +122,8 @@ def main(argv=None):
     train, valid, test, sid = data.load_splits(args.data, args.val_n, args.test_n)
     # both read the data's tokenizer, so they share one vocabulary: the KL compares distributions token by token
     student, tok, parent = load_checkpoint(args.init, args.attn, args.dtype, diffusion=True, data=args.data)
-    teacher, _, _ = load_checkpoint(args.teacher, args.attn, args.dtype, diffusion=False, data=args.data)
+    teacher, _, t_stage = load_checkpoint(args.teacher, args.attn, args.dtype, data=args.data)
+    teacher_block = t_stage["block_size"]  # [diffusion] None: the paper's AR teacher; else latency OPD
     student.to(args.device), teacher.to(args.device).eval().requires_grad_(False)
     block, max_new = parent["block_size"], parent["max_new"]
     stage = {"stage": "opd", "parent": str(args.init), "teacher": str(args.teacher), "block_size": block,
@@ -107,7 +136,7 @@ def main(argv=None):
     log, t0 = Log(out, start) if is_main() else None, time.time() - elapsed
     if start == 0 and is_main():  # the curve starts at the CFT student
         t_kl = time.time()
-        kl_init = test_kl(student, teacher, tok, kl_examples, block, max_new)
+        kl_init = test_kl(student, teacher, tok, kl_examples, block, max_new, teacher_block=teacher_block)
         print(f"before OPD: test KL to the teacher {kl_init:.4f}")
         val, _ = validate(student, tok, valid, sid, "diffusion", block, max_new, args.eval_batch)
         log(step=0, minutes=0.0, kl_test=kl_init, **{**val, "val_seconds": time.time() - t_kl})
@@ -127,7 +156,7 @@ def main(argv=None):
         for c in range(0, len(prompts), args.group):  # the teacher's distributions, one prompt's group at a time
             part = roll.select(range(c, c + args.group))
             for loss in opd_losses(student, teacher, prompts[c:c + args.group], part, block, tok.mask_token_id,
-                                   tok.pad_token_id, args.clean_prefix, args.rows):
+                                   tok.pad_token_id, args.clean_prefix, args.rows, teacher_block):
                 (loss / len(prompts)).backward()  # gradient accumulation: one chunk of replayed canvases at a time
                 kl_sum += loss.item() / len(prompts)
         sync_grads(student)
@@ -157,7 +186,8 @@ def main(argv=None):
         return None
     save_checkpoint(out, student, tok, {**stage, "step": args.steps})
     train_minutes, test_since = (time.time() - t0) / 60, time.time()
-    kl_init, kl_final = read_jsonl(log.path)[0]["kl_test"], test_kl(student.eval(), teacher, tok, kl_examples, block, max_new)
+    kl_init = read_jsonl(log.path)[0]["kl_test"]
+    kl_final = test_kl(student.eval(), teacher, tok, kl_examples, block, max_new, teacher_block=teacher_block)
     print(f"OPD took {(time.time() - t0) / 60:.1f} min; test KL to the teacher {kl_init:.4f} -> {kl_final:.4f}; testing ...")
     return test_stage(out, student, tok, test, sid, "diffusion", block, max_new, args.eval_batch, args.tau_n,
                       extra={"kl_to_teacher": {"init": kl_init, "final": kl_final}}, taus=args.taus,

@@ -172,33 +172,31 @@ def plot_curves(run, path):
 
 
 def plot_frontier(rows, path):
-    """Recall@1 against tokens per forward (hardware-independent) and against the measured speed-up."""
+    """Valid rate and Recall@1 (rows) against tokens per forward (hardware-independent) and against the measured
+    speed-up (columns), every decoder at batch 1: each line is one model and rule across tau."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    batches = sorted({r["batch"] for r in rows})
-    for bs in batches:
-        sel = [r for r in rows if r["batch"] == bs]
-        # tokens per forward does not depend on the batch: draw it once, from the smallest batch
-        panels = zip(axes, ("tokens_per_forward", "speedup")) if bs == batches[0] else [(axes[1], "speedup")]
-        for ax, key in panels:
-            for rule, style in (("threshold", "o-"), ("left-to-right", "^--")):
-                line = [r for r in sel if r["decoder"] == "diffusion" and r["commit"] == rule]
-                if not line:
-                    continue
-                ax.plot([r[key] for r in line], [r["recall@1"] for r in line], style, label=f"{rule}, batch {bs}")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharey="row")
+    sel = [r for r in rows if r["batch"] == min(r["batch"] for r in rows)]
+    ar = next(r for r in sel if r["decoder"] == "ar")
+    families = list(dict.fromkeys((r["model"], r["decoder"], r["commit"]) for r in sel if r["decoder"] != "ar"))
+    styles = {"threshold": "o-", "left-to-right": "^--"}
+    for row, metric in enumerate(("valid_rate", "recall@1")):
+        for col, key in enumerate(("tokens_per_forward", "speedup")):
+            ax = axes[row, col]
+            for model, decoder, commit in families:
+                line = sorted((r for r in sel if (r["model"], r["decoder"], r["commit"]) == (model, decoder, commit)),
+                              key=lambda r: r["tau"])
+                style = "s:" if decoder == "draft-verify" else styles[commit]
+                ax.plot([r[key] for r in line], [r[metric] for r in line], style, label=f"{model} {decoder} {commit}")
                 for r in line:
-                    ax.annotate(f"{r['tau']}", (r[key], r["recall@1"]), fontsize=7)
-            exact = [r for r in sel if r["decoder"] == "draft-verify"]
-            if exact:
-                ax.scatter([r[key] for r in exact], [r["recall@1"] for r in exact], marker="s", label=f"draft-verify, batch {bs}")
-            ar = [r for r in sel if r["decoder"] == "ar"][0]
-            ax.scatter([ar[key]], [ar["recall@1"]], marker="*", s=120, label=f"AR, batch {bs}")
-    axes[0].set_xlabel("tokens per forward (labels: tau)")
-    axes[1].set_xlabel("wall-clock speed-up over AR (this machine)")
-    for ax in axes:
-        ax.set_ylabel("Recall@1")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+                    ax.annotate(f"{r['tau']}", (r[key], r[metric]), fontsize=7)
+            ax.scatter([ar[key]], [ar[metric]], marker="*", s=140, color="k", label="AR", zorder=3)
+            ax.axhline(ar[metric] - 0.02, color="k", lw=0.6, ls=":")  # parity: no more than 0.02 below AR
+            ax.set_xlabel("tokens per forward (labels: tau)" if key == "tokens_per_forward" else
+                          "wall-clock speed-up over AR (this machine)")
+            ax.set_ylabel(metric.replace("_", " "))
+            ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7)
     save(plt, fig, path)
 
 
@@ -280,16 +278,41 @@ def speed_lines(t2, ar, final, ratio, n):
              "| decoder | batch | Recall@1 | valid rate | tokens/s | tokens per forward | speed-up | same as AR "
              "| tokens per verify |", "|---|---|---|---|---|---|---|---|---|"]
     for r in t2:
-        name = "AR" if r["decoder"] == "ar" else f"{r['decoder']} {r['commit']} tau = {r['tau']}"
+        name = "AR" if r["decoder"] == "ar" else f"`{r['model']}` {r['decoder']} {r['commit']} tau = {r['tau']}"
         exact = f"{r['same_as_ar']:.3f} | {r['tokens_per_verify']:.2f}" if r["decoder"] == "draft-verify" else " | "
         lines.append(f"| {name} | {r['batch']} | {r['recall@1']:.3f} | {r['valid_rate']:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['tokens_per_forward']:.2f} | {r['speedup']:.2f}x | {exact} |")
-    return lines + ["", "![speed/accuracy frontier](frontier.png)"]
+    return lines + parity_lines(t2) + ["", "![speed/accuracy frontier](frontier.png)"]
 
 
-def report(run, data_dir, bench_n=100, batch_sizes=(1, 16), taus=SPEED_TAUS, tau_n=200, device="cpu", dtype="float32"):
+def at_parity(t2, margin=0.02):
+    """Per batch and decoder (model, decoder, rule): its row at the lowest tau whose valid rate and Recall@1 are
+    both no more than `margin` below AR's, or None where no tau measured is."""
+    found = []
+    for bs in sorted({r["batch"] for r in t2}):
+        sel = [r for r in t2 if r["batch"] == bs]
+        ar = next(r for r in sel if r["decoder"] == "ar")
+        for fam in dict.fromkeys((r["model"], r["decoder"], r["commit"]) for r in sel if r["decoder"] != "ar"):
+            ok = [r for r in sel if (r["model"], r["decoder"], r["commit"]) == fam
+                  and r["valid_rate"] >= ar["valid_rate"] - margin and r["recall@1"] >= ar["recall@1"] - margin]
+            found.append((bs, fam, min(ok, key=lambda r: r["tau"]) if ok else None))
+    return found
+
+
+def parity_lines(t2):
+    lines = ["", "At parity: each decoder at the lowest tau whose valid rate and Recall@1 are both no more than 0.02 "
+             "below AR's (the taus above).", "", "| decoder | batch | tau | tokens per forward | speed-up |", "|---|---|---|---|---|"]
+    for bs, (model, decoder, commit), r in at_parity(t2):
+        lines.append(f"| `{model}` {decoder} {commit} | {bs} | " + (f"{r['tau']} | {r['tokens_per_forward']:.2f} | "
+                     f"{r['speedup']:.2f}x |" if r else "not at parity at any tau measured | | |"))
+    return lines
+
+
+def report(run, data_dir, bench_n=100, batch_sizes=(1, 16), taus=SPEED_TAUS, tau_n=200, device="cpu", dtype="float32",
+           also=()):
     """Evaluate every checkpoint of `run` on the same test examples; write results.md / results.json and figures.
-    dtype: what the report's own decoding and the speed table run in (both decoders alike)."""
+    dtype: what the report's own decoding and the speed table run in (both decoders alike). also: more
+    block-diffusion checkpoints in `run` (such as a latency-OPD model) for the speed table beside the final one."""
     run, dtype = Path(run), resolve_dtype(dtype, device)
     (run / "report").mkdir(parents=True, exist_ok=True)
     test, sid_of = data.load_split(data_dir, "test")
@@ -302,9 +325,17 @@ def report(run, data_dir, bench_n=100, batch_sizes=(1, 16), taus=SPEED_TAUS, tau
     t1 = table1(run, test, sid_of, tok, device, dtype)
     t1b = table1b(run, test[:tau_n] if tau_n else test, sid_of, tok, final, 0.9, device, dtype)
     t2, ratio = [], None
+    for name in also:
+        if not (run / name / "stage.json").exists():
+            raise SystemExit(f"error: --also {name}: {run / name} is not a finished checkpoint")
     if final and ar:
         t2, ratio = bench_checkpoints(run / ar, run / final, test[:bench_n], sid_of, taus, batch_sizes, device,
                                       COMMIT_RULES, dtype=dtype, data_dir=data_dir)
+        t2 = [{**r, "model": ar if r["decoder"] == "ar" else final} for r in t2]
+        for name in also:  # the paper's rule and draft-verify with this model; speed-ups against the AR row timed beside it
+            rows, _ = bench_checkpoints(run / ar, run / name, test[:bench_n], sid_of, taus, batch_sizes, device,
+                                        ("threshold",), dtype=dtype, data_dir=data_dir)
+            t2 += [{**r, "model": name} for r in rows if r["decoder"] != "ar"]
         plot_frontier(t2, run / "frontier.png")
     plot_curves(run, run / "curves.png")
     plot_masks(run / "masks.png")
@@ -385,6 +416,9 @@ def main(argv=None):
     ap.add_argument("--taus", type=float, nargs="+", default=list(SPEED_TAUS),
                     help="commit thresholds for the speed table's diffusion rows")
     ap.add_argument("--tau-n", type=int, default=200, help="test examples for the tau = 0.9 ladder (0 = all)")
+    ap.add_argument("--also", nargs="*", default=[], metavar="STAGE",
+                    help="more block-diffusion checkpoints of the run (folders in --run, such as opd-latency) for the "
+                         "speed table and the frontier, beside the final model")
     ap.add_argument("--paired", nargs=2, default=None, metavar=("A", "B"),
                     help="only compare two predictions.jsonl of the same test examples of --data: B - A with 95%% intervals")
     ap.add_argument("--masks-figure", default=None, help="only draw the attention-mask figure to this PNG")
@@ -407,7 +441,7 @@ def main(argv=None):
         paired(*args.paired, args.data)
     else:
         report(args.run, args.data, args.bench_n, tuple(args.batch_sizes), tuple(args.taus), args.tau_n, args.device,
-               args.dtype)
+               args.dtype, tuple(args.also))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,19 @@ def test_equals_ar_whatever_the_student(block, tau, max_new):
         check_counts(out)
 
 
+def test_a_batch_of_16_decodes_together_and_equals_ar():
+    """Sixteen rows of different prompt lengths, each accepting its own counts, in one batched decode."""
+    teacher, student = micro(1, sharpen=4.0), micro(1, sharpen=4.0)  # the same weights: long accepted drafts
+    init_mask_embedding(student, MASK, VOCAB)
+    with torch.no_grad():
+        student.lm_head.weight.add_(0.5 * torch.randn(student.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
+    prompts = prompts_of(16, seed=3)
+    out = dv(student, teacher, prompts, 4, 0.6, 14)
+    assert out.tokens == ar_generate(teacher, prompts, 14, EOS, PAD).tokens
+    check_counts(out)
+    assert len({c["corrections"] for c in out.counts}) > 1  # the rows really accepted different counts
+
+
 def test_agreeing_student_has_every_draft_accepted():
     """All-zero logits in both models: every greedy choice is token 0 (argmax takes the first of equal maxima),
     so every draft is the teacher's answer: one verify per block, no corrections."""
@@ -106,8 +119,9 @@ def test_stops_at_the_end_token_like_ar(stop_at):
 
 
 def test_teacher_cache_holds_exactly_the_fed_tokens(monkeypatch):
-    """After decoding, the teacher's cache holds the prompt and the accepted tokens, less the last correction
-    (fed with the next verify, which never came): its K/V were never computed from a rejected draft."""
+    """After decoding a batch, the teacher's cache holds the prompts and a prefix of every row's accepted tokens
+    (masks after a row's end), and its keys are those of a fresh prefill of exactly that text: never computed
+    from a rejected draft."""
     made = []
 
     class Recorded(decode.CachedModel):
@@ -120,9 +134,15 @@ def test_teacher_cache_holds_exactly_the_fed_tokens(monkeypatch):
     prompts = prompts_of(4, seed=2)
     out = dv(student, teacher, prompts, 4, 0.5, 11)
     assert out.tokens == ar_generate(teacher, prompts, 11, EOS, PAD).tokens
-    for i, (p, toks) in enumerate(zip(prompts, out.tokens)):
-        t = made[2 * i + 1]  # rows run one at a time: (student, teacher) per row
-        assert t.model is teacher
-        cached = t.cache.get_seq_length()
-        assert cached == t.keys[0].shape[1]  # the mask descriptors follow the cache
-        assert cached - len(p) in (len(toks), len(toks) - 1)
+    t = made[1]  # the batch decodes together: (student, teacher)
+    assert t.model is teacher and len(made) == 2
+    cached = t.cache.get_seq_length()
+    assert cached == t.keys[0].shape[1]  # the mask descriptors follow the cache
+    fed = cached - max(map(len, prompts))
+    assert 0 < fed <= max(map(len, out.tokens))
+    # a row that ended before `fed` was fed masks after its end (its canvas), never a draft it rejected
+    fresh = Recorded(teacher, [p + (toks + [MASK] * fed)[:fed] for p, toks in zip(prompts, out.tokens)], PAD)
+    real = max(map(len, prompts)) - torch.tensor([len(p) for p in prompts])  # pad columns differ: compare the rest
+    for layer, ref in zip(t.cache.layers, fresh.cache.layers):
+        for i, r in enumerate(real.tolist()):
+            assert torch.allclose(layer.keys[i, :, r:], ref.keys[i, :, r:], atol=1e-5)

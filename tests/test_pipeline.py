@@ -50,7 +50,7 @@ def run(tiny_data, tmp_path_factory):
                             "1", "--group", "2"])
     rl.main(common + F32 + ["--init", str(out / "sft"), "--out", str(out / "ar-rl"), "--steps", "1", "--prompts-per-step",
                             "1", "--group", "2", "--lr", "1e-2"])  # GR2's RL stage on the AR re-ranker
-    report.report(out, d, bench_n=2, batch_sizes=(1,), taus=(0.9,))
+    report.report(out, d, bench_n=2, batch_sizes=(1,), taus=(0.9,), also=("opd",))
     return d, out
 
 
@@ -96,10 +96,25 @@ def test_the_report_writes_both_tables_and_the_figures(run):
     speed = [(r["decoder"], r["commit"], r["tau"]) for r in res["table2"]]
     assert speed[0] == ("ar", None, None) and res["table2"][0]["speedup"] == 1.0  # the reference, first
     assert {("diffusion", "threshold", 0.9), ("diffusion", "left-to-right", 0.9)} <= set(speed)  # both rules
+    also = [(r["decoder"], r["commit"]) for r in res["table2"] if r["model"] == "opd"]  # --also: the paper's rule
+    assert also == [("diffusion", "threshold"), ("draft-verify", "threshold")]
     assert res["dtype"] == "float32" and res["final_diffusion"] == "rl" and res["ar_reference"] == "ar-rl"
     assert len(read_jsonl(out / "report" / "rl_left-to-right_predictions_tau0.9.jsonl")) == res["table1b_tau0.9"][0]["n"]
     for f in ("results.md", "frontier.png", "curves.png", "masks.png"):
         assert (out / f).stat().st_size > 0
+
+
+def test_at_parity_picks_the_lowest_tau_no_more_than_two_points_below_ar_on_both_metrics():
+    row = lambda decoder, tau, valid, r1, model="rl", commit="threshold": {
+        "model": model, "decoder": decoder, "commit": commit, "tau": tau, "batch": 1, "valid_rate": valid, "recall@1": r1}
+    t2 = [row("ar", None, 0.90, 0.50, "sft", None),
+          row("diffusion", 0.9, 0.89, 0.49), row("diffusion", 0.6, 0.885, 0.60), row("diffusion", 0.4, 0.87, 0.60),
+          row("diffusion", 0.9, 0.70, 0.50, commit="left-to-right"),
+          row("draft-verify", 0.9, 0.90, 0.50), row("draft-verify", 0.4, 0.90, 0.50)]
+    found = {fam: (r["tau"] if r else None) for _, fam, r in report.at_parity(t2)}
+    # 0.6: 0.005 and -0.10 (better) below AR; 0.4 is 0.03 below on validity; left to right never within 0.02
+    assert found == {("rl", "diffusion", "threshold"): 0.6, ("rl", "diffusion", "left-to-right"): None,
+                     ("rl", "draft-verify", "threshold"): 0.4}
 
 
 def test_naive_conversion_keeps_every_ar_weight(run):
@@ -221,7 +236,6 @@ def test_interrupted_training_resumes_to_the_same_weights(run, tmp_path, monkeyp
 # ----------------------------------------------------------------------------- checkpoint kinds and command lines
 @pytest.mark.parametrize("script,flags,message", [
     ("opd", {"--init": "sft"}, "is a 'sft' checkpoint; this needs a block-diffusion checkpoint"),
-    ("opd", {"--teacher": "cft"}, "is a 'cft' checkpoint; this needs an AR checkpoint"),
     ("cft", {"--init": "opd"}, "is a 'opd' checkpoint; this needs an AR checkpoint"),
     ("cft", {"--init": "missing"}, "is not a finished checkpoint of this project"),
 ])
@@ -234,6 +248,16 @@ def test_a_stage_given_the_wrong_kind_of_checkpoint_exits_with_a_clear_message(r
     with pytest.raises(SystemExit, match=message):
         {"opd": opd, "rl": rl, "cft": cft}[script].main(argv)
     assert not (tmp_path / script).exists()  # a start that fails on its inputs leaves nothing behind
+
+
+def test_latency_opd_distils_the_student_from_its_own_slow_decoding(run, tmp_path):
+    """opd.py with a block-diffusion --teacher (the student's own checkpoint) and low-tau rollouts runs end to end."""
+    d, out = run
+    opd.main(["--data", str(d), "--out", str(tmp_path / "lat"), "--init", str(out / "cft"), "--teacher", str(out / "cft"),
+              "--tau", "0.4", "--steps", "1", "--prompts-per-step", "1", "--group", "2", "--val-n", "2", "--eval-batch", "4",
+              "--kl-n", "2", *F32])
+    m = json.loads((tmp_path / "lat" / "metrics.json").read_text())
+    assert m["kl_to_teacher"]["init"] >= 0 and json.loads((tmp_path / "lat" / "stage.json").read_text())["teacher"] == str(out / "cft")
 
 
 @pytest.fixture(scope="module")

@@ -70,6 +70,19 @@ def test_opd_with_itself_as_teacher_at_block_one_is_zero_with_no_gradient():
     assert max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None) < 1e-5
 
 
+def test_latency_opd_teacher_reads_each_token_from_its_clean_prefix():
+    """A block-diffusion teacher (latency OPD) scores the student's tokens with every earlier token of the block
+    clean: the student itself as teacher has KL 0 against its own clean-prefix scores, and a positive KL against
+    the parallel canvases it really decoded from (several tokens committed per step at tau = 0.3)."""
+    model, prompts = tiny(sharpen=2.0), random_prompts(3)
+    roll = rollouts(model, prompts, block=4, tau=0.3, max_new=12)
+    assert any(st.count(0) > 1 for st in roll.steps)  # some step committed several tokens of a block
+    with torch.no_grad():
+        same = sum(opd_losses(model, model, prompts, roll, 4, MASK, PAD, clean=True, max_rows=3, teacher_block=4))
+        parallel = sum(opd_losses(model, model, prompts, roll, 4, MASK, PAD, teacher_block=4))
+    assert abs(same.item()) < 1e-5 and parallel.item() > 1e-3
+
+
 def test_opd_gradient_does_not_depend_on_how_many_canvases_go_through_at_once():
     """--rows bounds memory, not maths: one canvas per backward gives the gradient of all at once."""
     student, teacher = tiny(sharpen=4.0), tiny(seed=1, sharpen=4.0)
