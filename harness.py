@@ -23,10 +23,10 @@ from plumbing import HelpFormatter, add_runtime_args, load_checkpoint, read_json
 SPEED_TAUS = (0.9, 0.6, 0.4)  # the paper's speed settings (the speed table; a stage's test adds --taus to tau = 1.0)
 
 
-def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_size=32, temperature=0.0,
-             generator=None, progress=False, commit="threshold", teacher=None):
-    """Decode `prompts` in length-sorted batches; returns a Rollout in the input order and the seconds taken.
-    mode: "ar", "diffusion", or "draft-verify" (`model` drafts, the AR `teacher` verifies; greedy only)."""
+def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_size=32, progress=False,
+             commit="threshold", teacher=None):
+    """Decode `prompts` greedily in length-sorted batches; returns a Rollout in the input order and the seconds
+    taken. mode: "ar", "diffusion", or "draft-verify" (`model` drafts, the AR `teacher` verifies)."""
     from tqdm import tqdm
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     synchronize(model.device)
@@ -36,13 +36,13 @@ def generate(model, tok, prompts, mode, block=32, tau=1.0, max_new=256, batch_si
                     disable=not progress, leave=False):
         batch = [prompts[i] for i in idx]
         if mode == "ar":
-            out = ar_generate(model, batch, max_new, tok.eos_token_id, tok.pad_token_id, temperature, generator)
+            out = ar_generate(model, batch, max_new, tok.eos_token_id, tok.pad_token_id)
         elif mode == "draft-verify":
             out = draft_verify_generate(model, teacher, batch, block, tau, max_new, tok.mask_token_id, tok.eos_token_id,
                                         tok.pad_token_id, commit)
         else:
             out = diffusion_generate(model, batch, block, tau, max_new, tok.mask_token_id, tok.eos_token_id,
-                                     tok.pad_token_id, temperature, generator, commit=commit)
+                                     tok.pad_token_id, commit=commit)
         for k, i in enumerate(idx):
             parts[i] = (out.tokens[k], out.canvas[k] if out.canvas else None, out.steps[k] if out.steps else None, out.nfe[k],
                         out.counts[k] if out.counts else None)
