@@ -53,7 +53,7 @@ def parse_args(argv=None):
     ap.add_argument("--prompts-per-step", type=int, default=8,  # assumption: 8, sized for a CPU
                     help="prompts per step (G rollouts each)")
     ap.add_argument("--tau", type=float, default=0.9,  # [diffusion] assumption: 0.9, the paper's first speed setting
-                    help="commit threshold of the rollouts")
+                    help="commit threshold of the rollouts (a block-diffusion policy; an AR one writes a token per step)")
     ap.add_argument("--temperature", type=float, default=1.0,  # assumption: 1.0, the paper does not say
                     help="sampling temperature of the rollouts")
     ap.add_argument("--clip", type=float, default=0.2, help="epsilon of the clipped ratio")
