@@ -221,7 +221,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def add_runtime_args(ap):
-    """Where and how a model runs (every stage, decode.py and report.py)."""
+    """Where and how a model runs (every stage, harness.py and report.py)."""
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
     ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help=DTYPE_HELP)
     ap.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")

@@ -10,14 +10,15 @@ cft, opd, rl) on the same test examples and writes into the run's folder:
                                 final model also decoded left to right (beyond the paper) beside the paper's rule;
                                 Table 2, decoding speed of AR against the final model at tau = 0.9, 0.6, 0.4, both
                                 commit rules, and draft-verify (the final model drafts, the AR model verifies: its
-                                exact greedy answers), every decoder in float32 (decode.bench_checkpoints)
+                                exact greedy answers), every decoder in float32 (harness.bench_checkpoints), with
+                                --also's models beside the final one and each decoder's speed at parity
     frontier.png, curves.png, masks.png   speed/accuracy frontier, training curves, the attention masks
     report/                     predictions of every decode the report had to make itself
 
 A stage's own predictions*.jsonl are reused when they cover the test examples (a stage deletes them when
 it starts training, so they always belong to its checkpoint). `python report.py --paired A.jsonl B.jsonl
 --data DIR` compares any two predictions files of the same test examples (B - A, paired bootstrap).
-Scoring is eval.py's and decoding decode.py's; nothing here re-implements them.
+Scoring is eval.py's, decoding decode.py's (through harness.py); nothing here re-implements them.
 """
 import argparse
 import json
