@@ -31,11 +31,12 @@ done
 
 if [ -n "$FULL" ]; then
   # The paper-sized task: 10 candidates, 5 history items, responses of about 231 tokens. CFT runs 3 epochs (the
-  # paper's) of the ~6,500 traces; assumption: the SFT, OPD and RL budgets (the paper's do not fit a CPU).
+  # paper's) of the ~6,500 traces at the workshop's lr; assumption: the SFT, OPD and RL budgets (the paper's do not
+  # fit a CPU).
   NAME=${NAME:-synthetic} OUT=${OUT:-out-full}
   TASK=""
   SFT="--steps 3000 --batch-size 16 --eval-every 500"
-  CFT="--steps 4000 --batch-size 5 --eval-every 500"
+  CFT="--steps 4000 --batch-size 5 --lr 1.5e-3 --eval-every 500"
   OPD="--steps 32 --eval-every 8"
   RL="--steps 16 --eval-every 4"
   AR_RL="--steps 16 --eval-every 4"  # GR2's own RL stage: its result is the AR row, CFT's start and OPD's teacher
