@@ -90,6 +90,17 @@ class CachedModel:
             self.cache.crop(-ids.shape[1])  # [diffusion] a denoising step only reads the cache
         return logits
 
+    def commit_and_draft(self, clean, start, nxt, block):  # [diffusion]
+        """One forward for two: the finished block `clean` (B, block) at response position `start` joins the cache,
+        and the next block's canvas `nxt` (B, block) is denoised beside it, reading that block as a clean one
+        would. Returns (edge, draft): the logits predicting the next block's token 0 (B, V), and those of `nxt`'s
+        positions (B, block, V): both equal to a commit forward followed by a denoising forward."""
+        desc = tuple(torch.cat(pair, 1) for pair in zip(self.response_desc(start, block, block),
+                                                         self.response_desc(start + block, block, block, NOISY)))
+        logits = self.forward(torch.cat([clean, nxt], 1), desc, keep=True, every=True)
+        self.crop(self.keys[0].shape[1] - block)  # the noisy block's K/V are not the cache's
+        return logits[:, block - 1], logits[:, block:]
+
     def crop(self, length):
         """Keep only the first `length` cached positions (prompt included): drops a rejected draft's K/V."""
         self.cache.crop(length - self.keys[0].shape[1])  # transformers 5 crops by a negative count

@@ -2,8 +2,8 @@
 Draft-verify (beyond the paper): exactly the AR model's greedy answer, at diffusion speed.
 
 The block-diffusion model drafts a block with the commit rule of decode.py; the AR model checks the whole
-draft in one cached forward and keeps the longest prefix it would have written itself, plus its own token
-where they first disagree. The answer is AR's token for token whatever the draft; the draft only sets how
+draft in one cached forward and keeps the longest prefix it would have written itself, plus its own next
+token; the rest of a rejected draft waits for the next check. The answer is AR's token for token whatever the draft; the draft only sets how
 many tokens each AR forward accepts. The README's speed table measures it beside the paper's decoder, at
 batch 1 and 16.
 """
@@ -17,7 +17,7 @@ from model import NOISY, without_mask
 def draft_verify_generate(student, teacher, prompts, block, tau, max_new, mask_id, eos_id, pad_id, commit="threshold"):
     """Exact AR answers at diffusion speed: the block-diffusion student drafts a block at threshold tau, the AR
     teacher checks every row's draft in one cached forward and keeps, per row, the longest prefix equal to its
-    own greedy choices, plus its own token at the first disagreement. Greedy only: the tokens equal
+    own greedy choices, plus its own next token (at the first disagreement, or after the whole draft). Greedy only: the tokens equal
     ar_generate(teacher, ...) token for token, whatever the student; the student only sets the speed.
 
     The batch decodes together, block by block: a row that has finished the block waits for the others. Rows
@@ -34,6 +34,7 @@ def draft_verify_generate(student, teacher, prompts, block, tau, max_new, mask_i
     acc = [0] * B  # tokens accepted per row
     done = [False] * B  # its end token accepted, or max_new reached
     fed, last = 0, t.edge  # response tokens in the teacher's cache, all rows alike; the logits predicting token `fed`
+    ready = None  # [diffusion] a block's first denoising step, computed by the commit forward of the block before
     for b in range(n_blocks):
         lo, hi = b * block, (b + 1) * block
         noisy = s.response_desc(lo, block, block, NOISY)  # [diffusion]
@@ -50,15 +51,18 @@ def draft_verify_generate(student, teacher, prompts, block, tau, max_new, mask_i
                 if not masked.any():
                     break  # nothing after an end token with no mask before it can matter
                 if masked[:, 1:].any():
-                    logits = s.forward(canvas[:, lo:hi], noisy, keep=False)
+                    if ready is None:
+                        ready = s.forward(canvas[:, lo:hi], noisy, keep=False)
+                        for i in masked.any(1).nonzero()[:, 0].tolist():
+                            n[i]["student"] += 1
+                    logits, ready = ready, None
                     pred = torch.cat([s.edge[:, None], logits[:, :-1]], 1)
-                    for i in masked.any(1).nonzero()[:, 0].tolist():
-                        n[i]["student"] += 1
                 else:  # only position 0 is left: the previous block's logit predicts it
                     pred = s.edge[:, None].expand(B, block, -1)
                 tok, conf = pick(without_mask(pred, mask_id), 0.0, None)
                 chosen = choose(torch.where(masked, conf, -1.0), masked, tau, commit)
                 canvas[:, lo:hi] = torch.where(chosen, tok, canvas[:, lo:hi])
+                ready = None  # only the block's first step may use it: the canvas has changed since
             ends = {}
             for i in active:  # a row's draft ends at its end token, its block's end or max_new
                 draft = canvas[i, acc[i]:hi].tolist()
@@ -76,10 +80,14 @@ def draft_verify_generate(student, teacher, prompts, block, tau, max_new, mask_i
                 a, e = acc[i], ends[i]
                 n[i]["teacher"], n[i]["verifies"] = n[i]["teacher"] + 1, n[i]["verifies"] + 1
                 good = a + int((canvas[i, a:e] == want[i, a - fed:e - fed]).long().cumprod(0).sum())
-                if good < e:  # first disagreement: the teacher's token instead (its K/V come with a later verify)
-                    canvas[i, good], n[i]["corrections"] = want[i, good - fed], n[i]["corrections"] + 1
-                acc[i] = good + (good < e)
-                canvas[i, acc[i]:hi] = mask_id  # [diffusion] rejected draft positions are drafted again
+                # the teacher's own next token comes free: at the first disagreement it replaces the draft's, and
+                # after a whole draft it opens the next block (its K/V come with a later verify)
+                extra = good < e or (e < max_new and eos_id not in canvas[i, a:e].tolist())
+                if extra:
+                    canvas[i, good], n[i]["corrections"] = want[i, good - fed], n[i]["corrections"] + (good < e)
+                acc[i] = good + extra
+                # [diffusion] the rest of a rejected draft stays for the next verify: a wrong token then costs one
+                # verify, where drafting again would cost student forwards as well
                 done[i] = acc[i] >= max_new or eos_id in canvas[i, :acc[i]].tolist()
                 right[i] = good
             new_fed = min([right[i] for i in right if not done[i]] or right.values())  # never below `fed`
@@ -87,7 +95,8 @@ def draft_verify_generate(student, teacher, prompts, block, tau, max_new, mask_i
             fed, last = new_fed, logits[:, new_fed - fed]
         if all(done) or b == n_blocks - 1:
             break
-        s.edge = s.forward(canvas[:, lo:hi], s.response_desc(lo, block, block), keep=True)  # [diffusion] commit forward
+        # [diffusion] the commit forward also takes the next block's first denoising step
+        s.edge, ready = s.commit_and_draft(canvas[:, lo:hi], lo, canvas[:, hi:hi + block], block)
         for i in range(B):
             if not done[i]:
                 n[i]["student"] += 1

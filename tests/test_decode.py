@@ -261,3 +261,23 @@ def test_viewer_highlights_exactly_the_tokens_committed_at_each_step(capsys):
     for line in steps:
         head, shown = line.split(": ", 1)
         assert sum(w.startswith("*") for w in shown.split()) == int(head.split("+")[1])
+
+
+def test_a_fused_commit_and_draft_forward_equals_the_two_forwards():
+    """CachedModel.commit_and_draft: the finished block's K/V, the next block's first logit (edge) and its
+    denoising logits equal a commit forward followed by a denoising forward."""
+    model = tiny(seed=0)
+    prompts = [[3, 4, 5, 6, 7], [8, 9]]
+    block = 4
+    clean = torch.randint(1, 40, (2, block), generator=torch.Generator().manual_seed(0))
+    nxt = torch.full((2, block), MASK)
+    nxt[:, 0] = torch.tensor([11, 12])  # a given first token, as draft-verify's verify can leave one
+    two = CachedModel(model, prompts, PAD)
+    edge = two.forward(clean, two.response_desc(0, block, block), keep=True)
+    draft = two.forward(nxt, two.response_desc(block, block, block, NOISY), keep=False)
+    one = CachedModel(model, prompts, PAD)
+    fused_edge, fused_draft = one.commit_and_draft(clean, 0, nxt, block)
+    assert torch.allclose(fused_edge, edge, atol=1e-5) and torch.allclose(fused_draft, draft, atol=1e-5)
+    assert one.cache.get_seq_length() == two.cache.get_seq_length() == one.keys[0].shape[1]
+    for a, b in zip(one.cache.layers, two.cache.layers):
+        assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)

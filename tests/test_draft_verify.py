@@ -82,8 +82,31 @@ def test_agreeing_student_has_every_draft_accepted():
     out = dv(student, teacher, [[5, 6, 7]], 4, 0.0, 12)
     assert out.tokens == ar.tokens and len(out.tokens[0]) == 12
     c = out.counts[0]
-    # 3 blocks of 4: one verify each (4 tokens per verify); student: prefill + one draft step per block + 2 commits
-    assert (c["verifies"], c["corrections"], c["teacher"], c["student"]) == (3, 0, 4, 6)
+    # 3 blocks of 4: one verify each, which also accepts the teacher's token opening the next block;
+    # student: prefill + the first block's draft step + 2 commit forwards, each with the next block's draft step
+    assert (c["verifies"], c["corrections"], c["teacher"], c["student"]) == (3, 0, 4, 4)
+
+
+def test_a_rejected_draft_is_kept_for_the_next_verify():
+    """Both models write token 0 everywhere, but the student drafts token 1 at the third position of every block.
+    Per block: a verify keeps 2 tokens and corrects the third; the draft's fourth token waits, unchanged, for the
+    next verify, which accepts it. So the corrections cost teacher verifies, never another student forward."""
+    teacher = micro(3)
+    with torch.no_grad():
+        teacher.model.norm.weight.zero_()
+    student = copy.deepcopy(teacher)
+
+    def third_position_says_1(module, inputs, logits):  # a block's draft step: (1, 4, V), or (1, 8, V) fused
+        if logits.dim() == 3:                                 # with the block before's commit forward
+            logits = logits.clone()
+            logits[:, -3, 1] = 10.0  # the logit at block index 1 predicts block index 2 (token shift)
+            return logits
+
+    student.lm_head.register_forward_hook(third_position_says_1)
+    out = dv(student, teacher, [[5, 6, 7]], 4, 0.0, 12)
+    assert out.tokens == ar_generate(teacher, [[5, 6, 7]], 12, EOS, PAD).tokens == [[0] * 12]
+    c = out.counts[0]
+    assert (c["verifies"], c["corrections"], c["student"]) == (6, 3, 4)  # student: as if every draft were right
 
 
 def test_copied_teacher_as_student_at_block_1():
@@ -96,7 +119,8 @@ def test_copied_teacher_as_student_at_block_1():
     ar = ar_generate(teacher, prompts, 9, EOS, PAD)
     assert out.tokens == ar.tokens
     for toks, c in zip(out.tokens, out.counts):
-        assert c["corrections"] == 0 and c["verifies"] == len(toks)
+        # a verify accepts the drafted token and, free, the teacher's next one: two blocks of 1 per verify
+        assert c["corrections"] == 0 and c["verifies"] == (len(toks) + 1) // 2
         assert c["student"] == len(toks)  # prefill + a commit forward after every block but the last
 
 
