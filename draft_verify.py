@@ -17,8 +17,9 @@ from model import NOISY, without_mask
 def draft_verify_generate(student, teacher, prompts, block, tau, max_new, mask_id, eos_id, pad_id, commit="threshold"):
     """Exact AR answers at diffusion speed: the block-diffusion student drafts a block at threshold tau, the AR
     teacher checks every row's draft in one cached forward and keeps, per row, the longest prefix equal to its
-    own greedy choices, plus its own next token (at the first disagreement, or after the whole draft). Greedy only: the tokens equal
-    ar_generate(teacher, ...) token for token, whatever the student; the student only sets the speed.
+    own greedy choices, plus its own next token (at the first disagreement, or after the whole draft). Greedy
+    only: the tokens equal ar_generate(teacher, ...) token for token, whatever the student; the student only
+    sets the speed.
 
     The batch decodes together, block by block: a row that has finished the block waits for the others. Rows
     accept different counts, and a DynamicCache crops every row alike, so the teacher's cache keeps the prefix
