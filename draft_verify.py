@@ -3,9 +3,9 @@ Draft-verify (beyond the paper): exactly the AR model's greedy answer, at diffus
 
 The block-diffusion model drafts a block with the commit rule of decode.py; the AR model checks the whole
 draft in one cached forward and keeps the longest prefix it would have written itself, plus its own next
-token; the rest of a rejected draft waits for the next check. The answer is AR's token for token whatever the draft; the draft only sets how
-many tokens each AR forward accepts. The README's speed table measures it beside the paper's decoder, at
-batch 1 and 16.
+token; the rest of a rejected draft waits for the next check. The answer is AR's token for token whatever
+the draft; the draft only sets how many tokens each AR forward accepts. The README's speed table measures it
+beside the paper's decoder, at batch 1 and 16.
 """
 import torch
 

@@ -96,8 +96,8 @@ def test_a_rejected_draft_is_kept_for_the_next_verify():
         teacher.model.norm.weight.zero_()
     student = copy.deepcopy(teacher)
 
-    def third_position_says_1(module, inputs, logits):  # a block's draft step: (1, 4, V), or (1, 8, V) fused
-        if logits.dim() == 3:                                 # with the block before's commit forward
+    def third_position_says_1(module, inputs, logits):
+        if logits.dim() == 3:  # a draft step: (1, 4, V), or (1, 8, V) fused with the commit forward before it
             logits = logits.clone()
             logits[:, -3, 1] = 10.0  # the logit at block index 1 predicts block index 2 (token shift)
             return logits
