@@ -15,7 +15,9 @@ Every stage of Diffusion-GR2 trains and tests on what this script writes. The pi
 4. A rule-based trace teacher (teacher.py; the paper used an LLM + rejection sampling) scores every candidate
    from evidence it states, fitted on training examples only, and keeps a trace only when its ranking puts
    the target first (stats.json: `teacher_kept_rate`; the teacher's own ranking of the test split is
-   `teacher`, beside the retriever's `floor`).
+   `teacher`, beside the retriever's `floor`). On a real catalogue each candidate's prompt line also states
+   the item-level purchase count the teacher weighs (`| next2`, `--prompt-evidence`), so the trace can be read
+   from the prompt instead of memorised item by item.
 5. A tokenizer (a word-level one built here for the tiny model, or a Qwen3 one with the SID tokens and
    the mask token added), the tokenized splits as a `datasets.DatasetDict`, and stats.json.
 
@@ -47,25 +49,40 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Defaults of the built-in synthetic task (sized for fast learning on a CPU) and of any real catalogue.
 SOURCE_DEFAULTS = {"synthetic": dict(codebook=256, history=5, title_words=3, max_eval=500,
-                                     evidence="last,brand,cat,follow,words,pos"),
+                                     evidence="last,brand,cat,follow,words,pos", prompt_evidence=""),
                    "real": dict(codebook=256, history=6, title_words=5, max_eval=0,
-                                evidence="last,brand,cat,follow,next,words,pos")}
+                                evidence="last,brand,cat,follow,next,words,pos", prompt_evidence="next")}
 # assumption: the synthetic world's routines are category-level by construction (catalogue.make_synthetic), so there
 # item-level counts add nothing to `follow` (README, assumptions) and its teacher leaves `next` out; a real catalogue's
-# teacher weighs it all
+# teacher weighs it all, and its prompt states `next` (the assumption in build())
 
 
 # ----------------------------------------------------------------------------- 1-3. catalogue, semantic ids, retriever: catalogue.py
 # ----------------------------------------------------------------------------- 4. trace teacher: teacher.py
 # ----------------------------------------------------------------------------- 5. prompts and tokenizer
-def item_line(item, sid, title_words):
-    return f"{sid} {' '.join(item['title'].split()[:title_words])} | {leaf_of(item)}"
+def item_line(item, sid, title_words, shown=""):
+    return f"{sid} {' '.join(item['title'].split()[:title_words])} | {leaf_of(item)}" + (f" | {shown}" if shown else "")
 
 
-def prompt_text(items, sid, history, cands, title_words):
-    hist = " ;\n".join(item_line(items[h], sid[h], title_words) for h in history)
-    cand = " ;\n".join(f"c{p + 1} " + item_line(items[c], sid[c], title_words) for p, c in enumerate(cands))
+def prompt_text(items, sid, history, cands, title_words, shown=None):
+    """shown: per candidate, the evidence its line also states (--prompt-evidence), such as "next2"."""
+    return layout_prompt([item_line(items[h], sid[h], title_words) for h in history],
+                         [item_line(items[c], sid[c], title_words, s) for c, s in zip(cands, shown or [""] * len(cands))])
+
+
+def layout_prompt(history_lines, candidate_lines):
+    """The prompt: the history's item lines, then the candidates' numbered c1, c2, ..."""
+    hist = " ;\n".join(history_lines)
+    cand = " ;\n".join(f"c{p + 1} {line}" for p, line in enumerate(candidate_lines))
     return f"history :\n{hist}\ncandidates :\n{cand}\nrank the candidates ."
+
+
+def prompt_lines(prompt):
+    """The inverse of layout_prompt: (history lines, candidate lines without their numbers)."""
+    head, tail = prompt.split("\ncandidates :\n")
+    hist = head.removeprefix("history :\n")
+    cands = tail.removesuffix("\nrank the candidates .").split(" ;\n")
+    return hist.split(" ;\n") if hist else [], [re.sub(r"^c\d+ ", "", line) for line in cands]
 
 
 def build_word_tokenizer(texts, sid_tokens, max_vocab=16000):
@@ -116,6 +133,7 @@ def build(args, log=print):
     codebook, history_cap, words_shown = (args.codebook or d["codebook"], args.history or d["history"],
                                           args.title_words or d["title_words"])
     pieces = (args.evidence or d["evidence"]).split(",")
+    shown_pieces = [p for p in (d["prompt_evidence"] if args.prompt_evidence is None else args.prompt_evidence).split(",") if p]
     if not args.raw:
         raw_items, raw_users = make_synthetic(args.seed, args.users)
         raw_dir = Path(args.tmp) / "raw"
@@ -166,6 +184,11 @@ def build(args, log=print):
         for k, (u, t, hist, cands) in enumerate(exs):
             target = seqs[u][t]
             reasoning, answer = "", ""
+            ev = train_evidence[k] if split == "train" else evidence(items, hist, cands, routine, follows)
+            # assumption: on a real catalogue the prompt hands the re-ranker the item-level purchase counts its
+            # teacher weighs (`next`), as an upstream system hands features to a re-ranker; the paper's LLM teacher
+            # reasons from product knowledge, which a tiny model cannot memorise item by item
+            shown = [" ".join(f"{p}{e[list(EVIDENCE).index(p)]}" for p in shown_pieces) for e in ev]
             if split == "train":
                 trace = teacher_trace(items, sid, hist, cands, target, routine, weights, train_evidence[k])
                 if trace is None:
@@ -173,7 +196,7 @@ def build(args, log=print):
                 kept += 1
                 reasoning, answer = trace
             rows.append({"id": f"{split}-u{u}-t{t}", "user": u, "history": hist, "candidates": cands,
-                         "target": target, "prompt": prompt_text(items, sid, hist, cands, words_shown),
+                         "target": target, "prompt": prompt_text(items, sid, hist, cands, words_shown, shown),
                          "reasoning": reasoning, "answer": answer})
         all_examples[split] = len(rows)
         max_eval = d["max_eval"] if args.max_eval is None else args.max_eval
@@ -210,7 +233,7 @@ def build(args, log=print):
              "teacher_kept_rate": kept / max(len(examples["train"]), 1),
              "floor": {k: floor[k] for k in metrics.METRIC_KEYS},
              "teacher": {k: float(np.mean([r[k] for r in teacher])) for k in metrics.METRIC_KEYS},
-             "teacher_weights": weights,
+             "teacher_weights": weights, "prompt_evidence": shown_pieces,
              "tokens": {"prompt_mean": float(np.mean([len(r["prompt_ids"]) for r in train])),
                         "reasoning_mean": float(np.mean([r["n_reasoning"] for r in train])),
                         "answer_mean": float(np.mean([len(r["response_ids"]) - r["n_reasoning"] for r in train]))},
@@ -279,10 +302,13 @@ def main(argv=None):
     ap.add_argument("--title-words", type=int, default=0, help="words of each title shown (0 = default: 3 synthetic, 5 real)")
     ap.add_argument("--evidence", help="the pieces of evidence the teacher weighs, comma-separated, from "
                     f"{','.join(EVIDENCE)} (default: all but 'next' synthetic, all real)")
+    ap.add_argument("--prompt-evidence", help="pieces of the teacher's evidence each candidate's prompt line also "
+                    "states, as 'next2' (default: none synthetic, 'next' real; '' for none)")
     args = ap.parse_args(argv)
-    unknown = [k for k in (args.evidence or "").split(",") if k and k not in EVIDENCE]
-    if unknown:
-        ap.error(f"--evidence: no piece {unknown[0]!r} (the pieces: {','.join(EVIDENCE)})")
+    for flag, value in (("--evidence", args.evidence), ("--prompt-evidence", args.prompt_evidence)):
+        unknown = [k for k in (value or "").split(",") if k and k not in EVIDENCE]
+        if unknown:
+            ap.error(f"{flag}: no piece {unknown[0]!r} (the pieces: {','.join(EVIDENCE)})")
     if not 2 <= args.candidates <= EVIDENCE["pos"]:  # the teacher's `pos` evidence has one weight per position
         ap.error(f"--candidates must be from 2 to {EVIDENCE['pos']}, got {args.candidates}")
     try:

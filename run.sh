@@ -36,10 +36,10 @@ if [ -n "$FULL" ]; then
   NAME=${NAME:-synthetic} OUT=${OUT:-out-full}
   TASK=""
   SFT="--steps 3000 --batch-size 16 --eval-every 500"
-  CFT="--steps 4000 --batch-size 5 --lr 1.5e-3 --eval-every 500"
-  OPD="--steps 32 --eval-every 8"
-  RL="--steps 16 --eval-every 4"
-  AR_RL="--steps 16 --eval-every 4"  # GR2's own RL stage: its result is the AR row, CFT's start and OPD's teacher
+  CFT="--steps 4000 --batch-size 5 --lr 1.5e-3 --eval-every 1000"
+  OPD="--steps 32 --eval-every 16"
+  RL="--steps 16 --eval-every 8"
+  AR_RL="--steps 16 --eval-every 8"  # GR2's own RL stage: its result is the AR row, CFT's start and OPD's teacher
   REPORT=""
 else
   # assumption: the workshop task (data.py flags; README "Two sizes of one task"): 5 candidates and 3 history items

@@ -18,9 +18,10 @@ from conftest import SHARED
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build(tmp_path, raw=None, seed=0, users=300, candidates=10, history=0):
+def build(tmp_path, raw=None, seed=0, users=300, candidates=10, history=0, evidence=None, prompt_evidence=None):
     args = Namespace(raw=raw, seed=seed, users=users, candidates=candidates, codebook=0, history=history, title_words=0,
-                     max_eval=None, evidence=None, tokenizer="word", tmp=str(tmp_path / f"tmp{seed}{users}{bool(raw)}"))
+                     max_eval=None, evidence=evidence, prompt_evidence=prompt_evidence, tokenizer="word",
+                     tmp=str(tmp_path / f"tmp{seed}{users}{bool(raw)}{prompt_evidence}"))
     return data.build(args, log=lambda *a: None)
 
 
@@ -177,6 +178,24 @@ def test_the_teacher_weighs_the_pieces_asked_for(small, capsys):
     with pytest.raises(SystemExit) as exit:
         data.main(["--evidence", "last,colour", "--out", "unused"])
     assert exit.value.code == 2 and "--evidence: no piece 'colour'" in capsys.readouterr().err
+
+
+def test_the_prompt_states_the_evidence_asked_for_as_the_trace_does(tmp_path, small):
+    """--prompt-evidence: each candidate's prompt line ends with the values its trace line states; nothing else moves."""
+    splits, *_, stats = build(tmp_path, evidence="last,brand,cat,follow,next,words,pos", prompt_evidence="next,follow")
+    assert stats["prompt_evidence"] == ["next", "follow"] and small[-1]["prompt_evidence"] == []
+    for ex in splits["train"][:50]:
+        _, cand_lines = data.prompt_lines(ex["prompt"])
+        stated = {ln.split()[0]: ln.split() for ln in ex["reasoning"].split("\n") if ln.startswith("c") and " = " in ln}
+        for p, line in enumerate(cand_lines):
+            trace = stated[f"c{p + 1}"]
+            want = [next(w for w in trace if w.rstrip("0123456789") == k) for k in ("next", "follow")]
+            assert line.split(" | ")[-1].split() == want, (line, trace)
+    for ex, plain in zip(splits["valid"], small[0]["valid"]):  # the same examples, each line only longer
+        assert ex["id"] == plain["id"]
+        assert [ln.rsplit(" | ", 1)[0] for ln in data.prompt_lines(ex["prompt"])[1]] == data.prompt_lines(plain["prompt"])[1]
+    with pytest.raises(SystemExit):
+        data.main(["--prompt-evidence", "colour", "--out", "unused"])
 
 
 def test_the_teacher_beats_the_floor_and_is_reported(small):

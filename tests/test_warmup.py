@@ -63,8 +63,32 @@ def test_copy_accuracy_counts_a_sid_right_only_when_all_four_codes_are(tiny_data
 
     monkeypatch.setattr(warmup, "ar_logits", perfect_logits)
     n_sids = 3 * 2 * len(valid[0]["candidates"])  # each copy response writes every candidate twice (lines, answer)
-    assert warmup.copy_accuracy(model, tok, valid, sid, batch_size=5) == 1.0
+    assert warmup.copy_accuracy(model, tok, valid, sid, batch_size=5) == (1.0, [1.0] * 4)
     wrong["n"] = 1
-    assert warmup.copy_accuracy(model, tok, valid, sid, batch_size=5) == (n_sids - 1) / n_sids
+    miss = (n_sids - 1) / n_sids
+    assert warmup.copy_accuracy(model, tok, valid, sid, batch_size=5) == (miss, [1.0, 1.0, miss, 1.0])
     wrong["n"] = 4  # codes 3-6: the last two of the first SID and the first two of the second
-    assert warmup.copy_accuracy(model, tok, valid, sid, batch_size=5) == (n_sids - 2) / n_sids
+    assert warmup.copy_accuracy(model, tok, valid, sid, batch_size=5) == ((n_sids - 2) / n_sids, [miss] * 4)
+
+
+def test_the_curriculum_grows_the_prompt_from_one_candidate_to_the_whole_prompt():
+    sizes = [warmup.prompt_size(step, 100, 0.5, 10, 6) for step in range(100)]
+    assert sizes[0] == (1, 0) and sizes[50] == sizes[99] == (10, 6)
+    assert all(a <= b and h <= g for (a, h), (b, g) in zip(sizes, sizes[1:]))  # it never shrinks
+    assert len(set(sizes[:50])) > 5  # it grows step by step, not in one jump
+    assert {warmup.prompt_size(step, 100, 0.0, 10, 6) for step in range(100)} == {(10, 6)}  # off: the whole prompt
+
+
+def test_a_curriculum_prompt_keeps_some_candidates_renumbered_and_the_last_history_items(tiny_data):
+    train, _, _, sid = data.load_splits(tiny_data, 1, 1)
+    tok = AutoTokenizer.from_pretrained(tiny_data / "tokenizer")
+    ex = next(e for e in train if len(e["history"]) >= 2)
+    hist_lines, cand_lines = data.prompt_lines(ex["prompt"])
+    assert data.layout_prompt(hist_lines, cand_lines) == ex["prompt"]  # the layout and its inverse
+    copy = warmup.copy_example(ex, sid, tok, np.random.default_rng(0), n_cands=2, n_hist=1)
+    prompt = tok.decode(copy["prompt_ids"])
+    shown = [c for c in ex["candidates"] if sid[c] in prompt.replace(" ", "")]
+    assert len(shown) == 2 and "c2 " in prompt and "c3 " not in prompt  # two of them, numbered c1 and c2
+    assert sid[ex["history"][-1]] in prompt.replace(" ", "") and sid[ex["history"][-2]] not in prompt.replace(" ", "")
+    reasoning = tok.decode(copy["response_ids"][:copy["n_reasoning"]]).replace(" ", "")
+    assert sorted(re.findall(r"c(\d+)((?:<[a-d]_\d+>){4})", reasoning)) == [("1", sid[shown[0]]), ("2", sid[shown[1]])]
