@@ -133,7 +133,8 @@ def build(args, log=print):
     codebook, history_cap, words_shown = (args.codebook or d["codebook"], args.history or d["history"],
                                           args.title_words or d["title_words"])
     pieces = (args.evidence or d["evidence"]).split(",")
-    shown_pieces = [p for p in (d["prompt_evidence"] if args.prompt_evidence is None else args.prompt_evidence).split(",") if p]
+    in_prompt = d["prompt_evidence"] if args.prompt_evidence is None else args.prompt_evidence
+    shown_pieces = [p for p in in_prompt.split(",") if p]
     if not args.raw:
         raw_items, raw_users = make_synthetic(args.seed, args.users)
         raw_dir = Path(args.tmp) / "raw"
@@ -184,11 +185,12 @@ def build(args, log=print):
         for k, (u, t, hist, cands) in enumerate(exs):
             target = seqs[u][t]
             reasoning, answer = "", ""
-            ev = train_evidence[k] if split == "train" else evidence(items, hist, cands, routine, follows)
-            # assumption: on a real catalogue the prompt hands the re-ranker the item-level purchase counts its
-            # teacher weighs (`next`), as an upstream system hands features to a re-ranker; the paper's LLM teacher
-            # reasons from product knowledge, which a tiny model cannot memorise item by item
-            shown = [" ".join(f"{p}{e[list(EVIDENCE).index(p)]}" for p in shown_pieces) for e in ev]
+            shown = None
+            if shown_pieces:  # assumption: on a real catalogue the prompt hands the re-ranker the item-level purchase
+                # counts its teacher weighs (`next`), as an upstream system hands features to a re-ranker; the paper's
+                # LLM teacher reasons from product knowledge, which a tiny model cannot memorise item by item
+                ev = train_evidence[k] if split == "train" else evidence(items, hist, cands, routine, follows)
+                shown = [" ".join(f"{p}{e[list(EVIDENCE).index(p)]}" for p in shown_pieces) for e in ev]
             if split == "train":
                 trace = teacher_trace(items, sid, hist, cands, target, routine, weights, train_evidence[k])
                 if trace is None:
