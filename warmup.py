@@ -16,7 +16,13 @@ with the AR loss of sft.py (reasoning weighted lambda_r, answer lambda_o). The o
 holds no user's choice: the model learns the answer's format and how to copy, not how to rank. Every
 step draws new orders (seeded by the step, so a resumed run sees the same ones). It validates on
 held-out prompts by teacher forcing: the share of SIDs whose four codes the model predicts exactly, and
-the share of each code level. sft.py continues from OUT with `--model OUT`.
+the share of each code level, and the exact share again under random SIDs (below), which only copying can
+predict. sft.py continues from OUT with `--model OUT`.
+
+With `--random-sids P` a share P of the training examples show their items under random SIDs, the same in
+prompt and response. A model can predict a catalogue SID's later codes from its first ones by memorising the
+catalogue, and on a real one that is what it learns first; a random SID gives memory nothing to hold, so those
+examples reward copying alone.
 
 With `--curriculum F` the prompts start short (one candidate, no history) and grow linearly to the whole
 prompt over the first F of the steps: published studies find that induction heads (the copying circuit)
@@ -24,6 +30,8 @@ form faster on short contexts, and a short prompt is a cheap step. Validation al
 
     python warmup.py --data data/beauty --out out-beauty/warmup                # CPU, tiny model
     python warmup.py --data data/beauty --out out-beauty/warmup --curriculum 0.5   # short prompts first
+    python warmup.py --data data/beauty --out out-beauty/warmup --random-sids 0.5  # half the SIDs random
+    python warmup.py --data data/beauty --out /tmp/rates --model out-beauty/warmup --steps 0   # a model's rates
     python sft.py --data data/beauty --out out-beauty/sft --model out-beauty/warmup
 """
 import argparse
@@ -53,8 +61,13 @@ def parse_args(argv=None):
     ap.add_argument("--curriculum", type=float, default=0.0,
                     help="the share of the steps over which the prompt grows from one candidate and no history to "
                          "the whole prompt (0: the whole prompt from the first step)")
+    ap.add_argument("--random-sids", type=float, default=0.0,
+                    help="the share of training examples whose items get random SIDs (each code drawn from the "
+                         "tokenizer's codes of its level, the same in prompt and response): only copying can predict them")
     args = ap.parse_args(argv)
     check_positive(ap, args, "batch_size", "eval_every")
+    if not 0.0 <= args.random_sids <= 1.0:
+        ap.error(f"--random-sids must be in [0, 1], got {args.random_sids}")
     if not 0.0 <= args.curriculum <= 1.0:
         ap.error(f"--curriculum must be in [0, 1], got {args.curriculum}")
     return args
@@ -87,14 +100,41 @@ def copy_example(ex, sid, tok, rng, n_cands=None, n_hist=None):
     return {"prompt_ids": prompt_ids, "response_ids": response, "n_reasoning": n_reasoning}
 
 
+def sid_codes(tok):
+    """The tokenizer's SID codes by level: {'a': ['<a_0>', ...], 'b': [...], ...}."""
+    codes = {}
+    for token in sorted(tok.get_vocab()):
+        if SID_CODE.fullmatch(token):
+            codes.setdefault(token[1], []).append(token)
+    return codes
+
+
+def with_random_sids(ex, sid, codes, rng):
+    """(ex, sid) with every item of ex given a random SID, distinct within the example, written into its prompt.
+    The catalogue's SIDs can be memorised item by item; random ones can only be copied from the prompt."""
+    items = list(dict.fromkeys(ex["history"] + ex["candidates"]))
+    fresh = []  # a list, not a set: its order must not depend on string hashing (a resumed run draws the same)
+    while len(fresh) < len(items):
+        new = "".join(level[rng.integers(len(level))] for level in codes.values())
+        if new not in fresh:
+            fresh.append(new)
+    new_sid = dict(zip(items, fresh))
+    prompt = ex["prompt"]
+    for item in items:  # a SID is four whole codes, never part of another: a plain replace is exact
+        prompt = prompt.replace(sid[item], new_sid[item])
+    return ex | {"prompt": prompt}, new_sid
+
+
 @torch.no_grad()
-def copy_accuracy(model, tok, examples, sid, batch_size, seed=0):
+def copy_accuracy(model, tok, examples, sid, batch_size, seed=0, codes=None):
     """The share of SIDs in held-out copy responses whose every code the model predicts (argmax), given the
     response so far (teacher forcing), and the share of each code level (a, b, c, d) predicted. It measures copying
-    alone: which number comes next is free to choose."""
+    alone: which number comes next is free to choose. With `codes` (sid_codes) the items get random SIDs first, so
+    a memorised catalogue cannot help: what is left is copying."""
     model.eval()
     rng = np.random.default_rng(seed)
-    copies = [copy_example(ex, sid, tok, rng) for ex in examples]
+    pairs = [with_random_sids(ex, sid, codes, rng) if codes else (ex, sid) for ex in examples]
+    copies = [copy_example(ex, ex_sid, tok, rng) for ex, ex_sid in pairs]
     sid_token = torch.zeros(len(tok), dtype=torch.bool)
     sid_token[[i for t, i in tok.get_vocab().items() if SID_CODE.fullmatch(t)]] = True
     right, level_right, total = 0, torch.zeros(4, dtype=torch.long), 0
@@ -110,6 +150,19 @@ def copy_accuracy(model, tok, examples, sid, batch_size, seed=0):
     return right / max(total, 1), [n / max(total, 1) for n in level_right.tolist()]
 
 
+def validation(model, tok, valid, sid, codes, args):
+    """The log's copy rates: exact and per code level on the catalogue's SIDs, exact on random ones."""
+    exact, levels = copy_accuracy(model, tok, valid, sid, args.eval_batch, args.seed)
+    return {"val_copy_exact": exact, **{f"val_copy_{level}": rate for level, rate in zip("abcd", levels)},
+            "val_copy_random_exact": copy_accuracy(model, tok, valid, sid, args.eval_batch, args.seed, codes)[0]}
+
+
+def describe(rec):
+    return (f"val SIDs copied exactly {rec['val_copy_exact']:.3f} (codes a-d "
+            + " ".join(f"{rec[f'val_copy_{level}']:.3f}" for level in "abcd")
+            + f"; random SIDs {rec['val_copy_random_exact']:.3f})")
+
+
 def main(argv=None):
     args = parse_args(argv)
     out = setup(args)
@@ -121,6 +174,7 @@ def main(argv=None):
     model = create_model(args.model, tok, args.attn, args.dtype, args.seed).to(args.device)
     print(f"model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
           f"{len(train)} training prompts")
+    codes = sid_codes(tok)
     max_cands, max_hist = max(len(ex["candidates"]) for ex in train), max(len(ex["history"]) for ex in train)
     stage = {"stage": "warmup", "parent": args.model, "block_size": None, "mask_token_id": tok.mask_token_id,
              "data": str(args.data), "args": vars(args)}
@@ -133,8 +187,10 @@ def main(argv=None):
         model.train()
         rng = np.random.default_rng([args.seed, step])  # this step's orders, the same after a resume
         n_cands, n_hist = prompt_size(step, args.steps, args.curriculum, max_cands, max_hist)
-        batch = collate([copy_example(train[i], sid, tok, rng, n_cands, n_hist)
-                         for i in batch_indices(step, len(train), args.batch_size, args.seed)])
+        examples = [(train[i], sid) for i in batch_indices(step, len(train), args.batch_size, args.seed)]
+        examples = [with_random_sids(ex, ex_sid, codes, rng) if rng.random() < args.random_sids else (ex, ex_sid)
+                    for ex, ex_sid in examples]
+        batch = collate([copy_example(ex, ex_sid, tok, rng, n_cands, n_hist) for ex, ex_sid in examples])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         loss = ar_loss(model, batch, args.lambda_r, args.lambda_o, tok.pad_token_id)
@@ -145,19 +201,20 @@ def main(argv=None):
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            exact, levels = copy_accuracy(model, tok, valid, sid, args.eval_batch, args.seed)
             rec = log(step=step + 1, minutes=(time.time() - t0) / 60, loss=sum(losses) / len(losses),
-                      prompt_candidates=n_cands, prompt_history=n_hist, val_copy_exact=exact,
-                      **{f"val_copy_{level}": rate for level, rate in zip("abcd", levels)})
+                      prompt_candidates=n_cands, prompt_history=n_hist, **validation(model, tok, valid, sid, codes, args))
             losses = []
             tqdm.write(f"step {rec['step']:5d} | {rec['minutes']:5.1f} min | loss {rec['loss']:.4f} | prompt "
-                       f"{n_cands} candidates, {n_hist} history | val SIDs copied exactly {exact:.3f} (codes a-d "
-                       + " ".join(f"{rate:.3f}" for rate in levels) + ")")
+                       f"{n_cands} candidates, {n_hist} history | {describe(rec)}")
             save_progress(out, model, tok, stage, opt, step + 1, time.time() - t0)
 
     save_checkpoint(out, model, tok, {**stage, "step": args.steps})
-    last = read_jsonl(Path(out) / "log.jsonl")[-1]  # the last step's validation: the model saved
-    result = {k: v for k, v in last.items() if k.startswith("val_copy")} | {"minutes": (time.time() - t0) / 60}
+    if args.steps:  # the last step's validation: the model saved
+        result = {k: v for k, v in read_jsonl(Path(out) / "log.jsonl")[-1].items() if k.startswith("val_copy")}
+    else:  # --steps 0: the copy rates of the model as loaded
+        result = validation(model, tok, valid, sid, codes, args)
+        print(describe(result))
+    result |= {"minutes": (time.time() - t0) / 60}
     write_atomic(Path(out) / "metrics.json", json.dumps(result, indent=2))  # marks the stage finished (run.sh)
     print(f"warm-up took {result['minutes']:.1f} min; it copies {result['val_copy_exact']:.3f} of the SIDs "
           f"of {len(valid)} held-out prompts exactly")

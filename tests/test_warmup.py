@@ -44,6 +44,10 @@ def test_warmup_writes_a_checkpoint_that_sft_starts_from(tiny_data, tmp_path):
     loaded = create_model(str(out), AutoTokenizer.from_pretrained(out))
     moved = [not torch.equal(a, b) for a, b in zip(micro.state_dict().values(), loaded.state_dict().values())]
     assert any(moved)  # two steps of training changed the micro init, and sft.py --model OUT loads the changed weights
+    rates = warmup.main(["--data", str(tiny_data), "--out", str(tmp_path / "rates"), "--model", str(out), "--steps", "0",
+                         "--val-n", "2", "--eval-batch", "2"])  # --steps 0 validates the saved model: the same rates
+    assert {k: v for k, v in rates.items() if k != "minutes"} == {k: v for k, v in result.items() if k != "minutes"}
+    assert set(rates) == {"minutes", "val_copy_exact", "val_copy_random_exact"} | {f"val_copy_{x}" for x in "abcd"}
 
 
 def test_copy_accuracy_counts_a_sid_right_only_when_all_four_codes_are(tiny_data, monkeypatch):
@@ -69,6 +73,12 @@ def test_copy_accuracy_counts_a_sid_right_only_when_all_four_codes_are(tiny_data
     assert warmup.copy_accuracy(model, tok, valid, sid, batch_size=5) == (miss, [1.0, 1.0, miss, 1.0])
     wrong["n"] = 4  # codes 3-6: the last two of the first SID and the first two of the second
     assert warmup.copy_accuracy(model, tok, valid, sid, batch_size=5) == ((n_sids - 2) / n_sids, [miss] * 4)
+    seen = []
+    monkeypatch.setattr(warmup, "ar_logits", lambda m, prompts, *a: seen.extend(prompts) or perfect_logits(m, prompts, *a))
+    codes = warmup.sid_codes(tok)  # random SIDs: the prompts the model reads show none of the catalogue's
+    assert warmup.copy_accuracy(model, tok, valid, sid, 5, codes=codes) == ((n_sids - 2) / n_sids, [miss] * 4)
+    shown = {s for p in seen for s in re.findall(r"(?:<[a-d]_\d+>){4}", tok.decode(p).replace(" ", ""))}
+    assert len(seen) == 3 and shown and not shown & {sid[i] for ex in valid for i in ex["history"] + ex["candidates"]}
 
 
 def test_the_curriculum_grows_the_prompt_from_one_candidate_to_the_whole_prompt():
@@ -92,3 +102,28 @@ def test_a_curriculum_prompt_keeps_some_candidates_renumbered_and_the_last_histo
     assert sid[ex["history"][-1]] in prompt.replace(" ", "") and sid[ex["history"][-2]] not in prompt.replace(" ", "")
     reasoning = tok.decode(copy["response_ids"][:copy["n_reasoning"]]).replace(" ", "")
     assert sorted(re.findall(r"c(\d+)((?:<[a-d]_\d+>){4})", reasoning)) == [("1", sid[shown[0]]), ("2", sid[shown[1]])]
+
+
+def test_random_sids_rewrite_prompt_and_response_alike_and_leave_the_rest(tiny_data):
+    train, _, _, sid = data.load_splits(tiny_data, 1, 1)
+    tok = AutoTokenizer.from_pretrained(tiny_data / "tokenizer")
+    codes = warmup.sid_codes(tok)
+    assert set(codes) == set("abcd") and all(warmup.SID_CODE.fullmatch(c) for level in codes.values() for c in level)
+    ex = next(e for e in train if e["history"])
+    rng = np.random.default_rng(0)
+    new_ex, new_sid = warmup.with_random_sids(ex, sid, codes, rng)
+    items = ex["history"] + ex["candidates"]
+    assert set(new_sid) == set(items) and len(set(new_sid.values())) == len(new_sid)  # distinct within the example
+    assert all(new_sid[i] != sid[i] for i in items)  # (a chance repeat of the real SID is 1 in ~10^7 here)
+    for item in items:  # each item's line now shows its new SID in place of the catalogue's
+        assert new_sid[item] in new_ex["prompt"] and sid[item] not in new_ex["prompt"]
+        assert re.findall(r"<([a-d])_\d+>", new_sid[item]) == list("abcd")
+    strip = lambda p: re.sub(r"<[a-d]_\d+>", "", p)
+    assert strip(new_ex["prompt"]) == strip(ex["prompt"]) and ex["prompt"] != new_ex["prompt"]  # titles untouched
+    assert new_ex["candidates"] == ex["candidates"] and train[train.index(ex)]["prompt"] == ex["prompt"]  # no mutation
+    copy = warmup.copy_example(new_ex, new_sid, tok, rng)  # the response copies the new SIDs
+    reasoning = tok.decode(copy["response_ids"][:copy["n_reasoning"]]).replace(" ", "")
+    lines = dict(re.findall(r"c(\d+)((?:<[a-d]_\d+>){4})", reasoning))
+    assert {int(n): s for n, s in lines.items()} == {p + 1: new_sid[c] for p, c in enumerate(ex["candidates"])}
+    again = warmup.with_random_sids(ex, sid, codes, np.random.default_rng(0))[1]
+    assert again == new_sid  # the generator decides (a resumed run draws the same SIDs)
