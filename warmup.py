@@ -158,6 +158,7 @@ def validation(model, tok, valid, sid, codes, args):
 
 
 def describe(rec):
+    """validation()'s rates in one line of the log."""
     return (f"val SIDs copied exactly {rec['val_copy_exact']:.3f} (codes a-d "
             + " ".join(f"{rec[f'val_copy_{level}']:.3f}" for level in "abcd")
             + f"; random SIDs {rec['val_copy_random_exact']:.3f})")
@@ -188,8 +189,9 @@ def main(argv=None):
         rng = np.random.default_rng([args.seed, step])  # this step's orders, the same after a resume
         n_cands, n_hist = prompt_size(step, args.steps, args.curriculum, max_cands, max_hist)
         examples = [(train[i], sid) for i in batch_indices(step, len(train), args.batch_size, args.seed)]
-        examples = [with_random_sids(ex, ex_sid, codes, rng) if rng.random() < args.random_sids else (ex, ex_sid)
-                    for ex, ex_sid in examples]
+        if args.random_sids:  # draws per example only when asked: the default run's orders do not depend on it
+            examples = [with_random_sids(ex, ex_sid, codes, rng) if rng.random() < args.random_sids else (ex, ex_sid)
+                        for ex, ex_sid in examples]
         batch = collate([copy_example(ex, ex_sid, tok, rng, n_cands, n_hist) for ex, ex_sid in examples])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
