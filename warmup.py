@@ -22,7 +22,10 @@ predict. sft.py continues from OUT with `--model OUT`.
 With `--random-sids P` a share P of the training examples show their items under random SIDs, the same in
 prompt and response. A model can predict a catalogue SID's later codes from its first ones by memorising the
 catalogue, and on a real one that is what it learns first; a random SID gives memory nothing to hold, so those
-examples reward copying alone.
+examples reward copying alone. Random SIDs drawn from whole codebooks rarely share a code, so a model can copy each
+code from behind the code before it; the catalogue's often share their first codes, and then only the candidate's
+number says which SID to copy. With `--random-pool K` half of the random-SID examples draw each level from only K
+codes, so their SIDs share prefixes and copying must follow the number.
 
 With `--curriculum F` the prompts start short (one candidate, no history) and grow linearly to the whole
 prompt over the first F of the steps: published studies find that induction heads (the copying circuit)
@@ -31,11 +34,13 @@ form faster on short contexts, and a short prompt is a cheap step. Validation al
     python warmup.py --data data/beauty --out out-beauty/warmup                # CPU, tiny model
     python warmup.py --data data/beauty --out out-beauty/warmup --curriculum 0.5   # short prompts first
     python warmup.py --data data/beauty --out out-beauty/warmup --random-sids 0.5  # half the SIDs random
+    python warmup.py --data data/beauty --out out-beauty/warmup --random-sids 0.5 --random-pool 3  # shared prefixes too
     python warmup.py --data data/beauty --out /tmp/rates --model out-beauty/warmup --steps 0   # a model's rates
     python sft.py --data data/beauty --out out-beauty/sft --model out-beauty/warmup
 """
 import argparse
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -64,10 +69,15 @@ def parse_args(argv=None):
     ap.add_argument("--random-sids", type=float, default=0.0,
                     help="the share of training examples whose items get random SIDs (each code drawn from the "
                          "tokenizer's codes of its level, the same in prompt and response): only copying can predict them")
+    ap.add_argument("--random-pool", type=int, default=0,
+                    help="with --random-sids: half of the random-SID examples draw each level's codes from only this "
+                         "many (at least 2), so their SIDs share prefixes (0: every code of the level)")
     args = ap.parse_args(argv)
     check_positive(ap, args, "batch_size", "eval_every")
     if not 0.0 <= args.random_sids <= 1.0:
         ap.error(f"--random-sids must be in [0, 1], got {args.random_sids}")
+    if args.random_pool and (args.random_pool < 2 or not args.random_sids):
+        ap.error(f"--random-pool must be 0, or at least 2 with --random-sids, got {args.random_pool}")
     if not 0.0 <= args.curriculum <= 1.0:
         ap.error(f"--curriculum must be in [0, 1], got {args.curriculum}")
     return args
@@ -109,13 +119,18 @@ def sid_codes(tok):
     return codes
 
 
-def with_random_sids(ex, sid, codes, rng):
+def with_random_sids(ex, sid, codes, rng, pool=0):
     """(ex, sid) with every item of ex given a random SID, distinct within the example, written into its prompt.
-    The catalogue's SIDs can be memorised item by item; random ones can only be copied from the prompt."""
+    The catalogue's SIDs can be memorised item by item; random ones can only be copied from the prompt. With `pool`
+    each level's codes come from `pool` of them drawn for this example, so the SIDs share prefixes."""
     items = list(dict.fromkeys(ex["history"] + ex["candidates"]))
+    levels = [[level[i] for i in rng.choice(len(level), min(pool, len(level)), replace=False)] if pool else level
+              for level in codes.values()]
+    if math.prod(map(len, levels)) < len(items):
+        raise ValueError(f"--random-pool {pool}: {math.prod(map(len, levels))} distinct SIDs for {len(items)} items")
     fresh = []  # a list, not a set: its order must not depend on string hashing (a resumed run draws the same)
     while len(fresh) < len(items):
-        new = "".join(level[rng.integers(len(level))] for level in codes.values())
+        new = "".join(level[rng.integers(len(level))] for level in levels)
         if new not in fresh:
             fresh.append(new)
     new_sid = dict(zip(items, fresh))
@@ -190,8 +205,13 @@ def main(argv=None):
         n_cands, n_hist = prompt_size(step, args.steps, args.curriculum, max_cands, max_hist)
         examples = [(train[i], sid) for i in batch_indices(step, len(train), args.batch_size, args.seed)]
         if args.random_sids:  # draws per example only when asked: the default run's orders do not depend on it
-            examples = [with_random_sids(ex, ex_sid, codes, rng) if rng.random() < args.random_sids else (ex, ex_sid)
-                        for ex, ex_sid in examples]
+            drawn = []
+            for ex, ex_sid in examples:
+                if rng.random() < args.random_sids:
+                    pool = args.random_pool if args.random_pool and rng.random() < 0.5 else 0  # half share prefixes
+                    ex, ex_sid = with_random_sids(ex, ex_sid, codes, rng, pool)
+                drawn.append((ex, ex_sid))
+            examples = drawn
         batch = collate([copy_example(ex, ex_sid, tok, rng, n_cands, n_hist) for ex, ex_sid in examples])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)

@@ -212,6 +212,9 @@ def test_a_second_update_on_the_same_rollouts_sees_the_moved_policy(monkeypatch)
     ("rl", ["--prompts-per-step", "0"], "must be at least 1: --prompts-per-step 0"),
     ("opd", ["--lambda-r", "0.1"], "unrecognized arguments: --lambda-r"),  # OPD's and RL's losses weight no tokens
     ("rl", ["--lambda-o", "2"], "unrecognized arguments: --lambda-o"),
+    ("warmup", ["--random-sids", "1.5"], "--random-sids must be in [0, 1], got 1.5"),
+    ("warmup", ["--random-pool", "3"], "--random-pool must be 0, or at least 2 with --random-sids, got 3"),
+    ("warmup", ["--random-sids", "0.5", "--random-pool", "1"], "--random-pool must be 0, or at least 2"),
 ])
 def test_settings_that_cannot_train_are_refused_with_a_clear_error(script, args, message, capsys):
     with pytest.raises(SystemExit):

@@ -3,6 +3,7 @@ import json
 import re
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoTokenizer
 
@@ -127,3 +128,18 @@ def test_random_sids_rewrite_prompt_and_response_alike_and_leave_the_rest(tiny_d
     assert {int(n): s for n, s in lines.items()} == {p + 1: new_sid[c] for p, c in enumerate(ex["candidates"])}
     again = warmup.with_random_sids(ex, sid, codes, np.random.default_rng(0))[1]
     assert again == new_sid  # the generator decides (a resumed run draws the same SIDs)
+
+
+def test_a_random_pool_gives_distinct_sids_that_share_prefixes(tiny_data):
+    train, _, _, sid = data.load_splits(tiny_data, 1, 1)
+    codes = warmup.sid_codes(AutoTokenizer.from_pretrained(tiny_data / "tokenizer"))
+    ex = max(train, key=lambda e: len(e["history"]) + len(e["candidates"]))
+    items = list(dict.fromkeys(ex["history"] + ex["candidates"]))
+    new_ex, new_sid = warmup.with_random_sids(ex, sid, codes, np.random.default_rng(0), pool=3)
+    assert len(set(new_sid.values())) == len(items)  # still one SID per item
+    per_level = list(zip(*(re.findall(r"<[a-d]_\d+>", new_sid[i]) for i in items)))  # (levels, items)
+    assert all(len(set(level)) <= 3 for level in per_level)  # each level from three codes: prefixes are shared
+    assert len(set(per_level[0])) <= 3 < len(items)  # (so several items share their first code)
+    assert all(new_sid[i] in new_ex["prompt"] for i in items)
+    with pytest.raises(ValueError, match="distinct SIDs for"):  # too few codes for the example's items
+        warmup.with_random_sids(ex, sid, {k: v[:1] for k, v in codes.items()}, np.random.default_rng(0), pool=2)
