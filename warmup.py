@@ -127,7 +127,7 @@ def with_random_sids(ex, sid, codes, rng, pool=0):
     levels = [[level[i] for i in rng.choice(len(level), min(pool, len(level)), replace=False)] if pool else level
               for level in codes.values()]
     if math.prod(map(len, levels)) < len(items):
-        raise ValueError(f"--random-pool {pool}: {math.prod(map(len, levels))} distinct SIDs for {len(items)} items")
+        raise ValueError(f"{math.prod(map(len, levels))} distinct SIDs (pool {pool}) for the {len(items)} items of {ex['id']}")
     fresh = []  # a list, not a set: its order must not depend on string hashing (a resumed run draws the same)
     while len(fresh) < len(items):
         new = "".join(level[rng.integers(len(level))] for level in levels)
@@ -191,6 +191,12 @@ def main(argv=None):
     print(f"model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
           f"{len(train)} training prompts")
     codes = sid_codes(tok)
+    if args.random_pool:  # refuse now a pool too small for the largest example, not at the step that draws it
+        distinct = math.prod(min(args.random_pool, len(level)) for level in codes.values())
+        largest = max(len(set(ex["history"] + ex["candidates"])) for ex in train)
+        if distinct < largest:
+            raise SystemExit(f"error: --random-pool {args.random_pool} gives {distinct} distinct SIDs, fewer than the "
+                             f"{largest} items of the largest training example")
     max_cands, max_hist = max(len(ex["candidates"]) for ex in train), max(len(ex["history"]) for ex in train)
     stage = {"stage": "warmup", "parent": args.model, "block_size": None, "mask_token_id": tok.mask_token_id,
              "data": str(args.data), "args": vars(args)}

@@ -141,5 +141,14 @@ def test_a_random_pool_gives_distinct_sids_that_share_prefixes(tiny_data):
     assert all(len(set(level)) <= 3 for level in per_level)  # each level from three codes: prefixes are shared
     assert len(set(per_level[0])) <= 3 < len(items)  # (so several items share their first code)
     assert all(new_sid[i] in new_ex["prompt"] for i in items)
-    with pytest.raises(ValueError, match="distinct SIDs for"):  # too few codes for the example's items
+    with pytest.raises(ValueError, match="distinct SIDs"):  # too few codes for the example's items
         warmup.with_random_sids(ex, sid, {k: v[:1] for k, v in codes.items()}, np.random.default_rng(0), pool=2)
+
+
+def test_a_pool_too_small_for_the_data_is_refused_before_training(tiny_data, tmp_path, capsys):
+    # the tiny catalogue's d level has one code: a pool of 2 gives 2 * 2 * 2 * 1 SIDs, fewer than an example's items
+    assert len(warmup.sid_codes(AutoTokenizer.from_pretrained(tiny_data / "tokenizer"))["d"]) == 1
+    with pytest.raises(SystemExit, match="--random-pool 2 gives 8 distinct SIDs, fewer than the"):
+        warmup.main(["--data", str(tiny_data), "--out", str(tmp_path / "w"), "--model", "micro", "--steps", "2",
+                     "--random-sids", "0.5", "--random-pool", "2"])
+    assert not (tmp_path / "w" / "metrics.json").exists()
