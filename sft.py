@@ -20,7 +20,6 @@ import argparse
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -29,7 +28,6 @@ from harness import test_stage, validate
 from model import PRESETS, ar_loss, create_model
 from plumbing import (HelpFormatter, Log, add_training_args, all_mean, batch_indices, check_positive, check_tokenizer, collate,
                       ddp_setup, is_main, lr_at, my_share, resume, save_checkpoint, save_progress, setup, sync_grads)
-from warmup import add_random_sid_args, check_random_pool, check_random_sid_args, sid_codes, with_random_trace
 
 
 def parse_args(argv=None):
@@ -40,10 +38,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-new", type=int, default=0,
                     help="decoding budget in tokens, inherited by every later stage (0 = 1.25x the longest trace)")
     add_training_args(ap, steps=1000, batch_size=32, lr=3e-3, warmup=60, eval_every=250, tau_n=False)
-    add_random_sid_args(ap)  # beyond the paper: traces whose SIDs only copying can write (README, Amazon Beauty)
     args = ap.parse_args(argv)
     check_positive(ap, args, "batch_size", "eval_every")  # --eval-every 0 would divide by zero after the first step
-    check_random_sid_args(ap, args)
     return args
 
 
@@ -60,9 +56,6 @@ def main(argv=None):
     model = create_model(args.model, tok, args.attn, args.dtype, args.seed).to(args.device)
     print(f"model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab "
           f"{model.config.vocab_size}; {len(train)} training traces, decoding budget {max_new} tokens")
-    codes = sid_codes(tok) if args.random_sids else None  # [level] -> the tokenizer's codes, for random SIDs
-    if codes:
-        check_random_pool(args.random_pool, codes, train)
     stage = {"stage": "sft", "parent": args.model, "block_size": None, "mask_token_id": tok.mask_token_id,
              "data": str(args.data), "max_new": max_new, "args": vars(args)}
 
@@ -72,15 +65,8 @@ def main(argv=None):
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="sft", dynamic_ncols=True, disable=not is_main())
     for step in bar:
         model.train()
-        whole = [train[i] for i in batch_indices(step, len(train), args.batch_size * world, args.seed)]
-        if args.random_sids:  # drawn over the global batch, seeded by the step: every rank and a resumed run agree
-            rng = np.random.default_rng([args.seed, step])
-            for k, ex in enumerate(whole):
-                if rng.random() < args.random_sids:
-                    pool = args.random_pool if rng.random() < 0.5 else 0  # half share prefixes (warmup.py)
-                    whole[k] = with_random_trace(ex, sid, codes, tok, rng, pool)
         # each rank its slice of the global batch (the ranks' losses are per-rank means, averaged: see plumbing.py)
-        batch = collate(my_share(whole))
+        batch = collate([train[i] for i in my_share(batch_indices(step, len(train), args.batch_size * world, args.seed))])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         loss = ar_loss(model, batch, args.lambda_r, args.lambda_o, tok.pad_token_id)

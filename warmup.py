@@ -56,7 +56,7 @@ from plumbing import (HelpFormatter, Log, add_training_args, batch_indices, chec
 from teacher import answer_text
 
 SID_CODE = re.compile(r"<[a-d]_\d+>")  # one code of a SID, a token of its own in every tokenizer (data.py)
-WHOLE_SID = re.compile(r"<a_\d+><b_\d+><c_\d+><d_\d+>")  # a whole SID as the texts write it, codes a-d in a row
+WHOLE_SID = re.compile(r"<a_\d+><b_\d+><c_\d+><d_\d+>")  # a whole SID as prompts write it, codes a-d in a row
 
 
 def parse_args(argv=None):
@@ -67,30 +67,21 @@ def parse_args(argv=None):
     ap.add_argument("--curriculum", type=float, default=0.0,
                     help="the share of the steps over which the prompt grows from one candidate and no history to "
                          "the whole prompt (0: the whole prompt from the first step)")
-    add_random_sid_args(ap)
-    args = ap.parse_args(argv)
-    check_positive(ap, args, "batch_size", "eval_every")
-    check_random_sid_args(ap, args)
-    if not 0.0 <= args.curriculum <= 1.0:
-        ap.error(f"--curriculum must be in [0, 1], got {args.curriculum}")
-    return args
-
-
-def add_random_sid_args(ap):
-    """--random-sids and --random-pool, for this warm-up and for sft.py."""
     ap.add_argument("--random-sids", type=float, default=0.0,
                     help="the share of training examples whose items get random SIDs (each code drawn from the "
                          "tokenizer's codes of its level, the same in prompt and response): only copying can predict them")
     ap.add_argument("--random-pool", type=int, default=0,
                     help="with --random-sids: half of the random-SID examples draw each level's codes from only this "
                          "many (at least 2), so their SIDs share prefixes (0: every code of the level)")
-
-
-def check_random_sid_args(ap, args):
+    args = ap.parse_args(argv)
+    check_positive(ap, args, "batch_size", "eval_every")
     if not 0.0 <= args.random_sids <= 1.0:
         ap.error(f"--random-sids must be in [0, 1], got {args.random_sids}")
     if args.random_pool and (args.random_pool < 2 or not args.random_sids):
         ap.error(f"--random-pool must be 0, or at least 2 with --random-sids, got {args.random_pool}")
+    if not 0.0 <= args.curriculum <= 1.0:
+        ap.error(f"--curriculum must be in [0, 1], got {args.curriculum}")
+    return args
 
 
 def prompt_size(step, steps, curriculum, n_cands, n_hist):
@@ -129,17 +120,6 @@ def sid_codes(tok):
     return codes
 
 
-def check_random_pool(pool, codes, train):
-    """Refuse now a --random-pool too small for the largest training example, not at the step that draws it."""
-    if not pool:
-        return
-    distinct = math.prod(min(pool, len(level)) for level in codes.values())
-    largest = max(len(set(ex["history"] + ex["candidates"])) for ex in train)
-    if distinct < largest:
-        raise SystemExit(f"error: --random-pool {pool} gives {distinct} distinct SIDs, fewer than the "
-                         f"{largest} items of the largest training example")
-
-
 def with_random_sids(ex, sid, codes, rng, pool=0):
     """(ex, sid) with every item of ex given a random SID, distinct within the example, written into its prompt.
     The catalogue's SIDs can be memorised item by item; random ones can only be copied from the prompt. With `pool`
@@ -162,17 +142,6 @@ def rewrite_sids(text, new):
     """`text` with every SID that is a key of `new` written as its value, in one pass: a new SID that happens to
     equal another item's old one is never rewritten twice."""
     return WHOLE_SID.sub(lambda m: new.get(m.group(0), m.group(0)), text)
-
-
-def with_random_trace(ex, sid, codes, tok, rng, pool=0):
-    """A teacher trace (sft.py) whose items have random SIDs (with_random_sids), in its prompt, its ranking lines and
-    its answer alike, tokenized again: the same ranking and reasoning, SIDs that only copying can write."""
-    new_ex, new_sid = with_random_sids(ex, sid, codes, rng, pool)
-    new = {sid[item]: new_sid[item] for item in new_sid}
-    reasoning, answer = rewrite_sids(ex["reasoning"], new), rewrite_sids(ex["answer"], new)
-    prompt_ids, response_ids, n_reasoning = data.tokenize(tok, new_ex["prompt"], reasoning, answer)
-    return new_ex | {"reasoning": reasoning, "answer": answer, "prompt_ids": prompt_ids, "response_ids": response_ids,
-                     "n_reasoning": n_reasoning}
 
 
 @torch.no_grad()
@@ -226,7 +195,12 @@ def main(argv=None):
     print(f"model: {args.model}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
           f"{len(train)} training prompts")
     codes = sid_codes(tok)
-    check_random_pool(args.random_pool, codes, train)
+    if args.random_pool:  # refuse now a pool too small for the largest example, not at the step that draws it
+        distinct = math.prod(min(args.random_pool, len(level)) for level in codes.values())
+        largest = max(len(set(ex["history"] + ex["candidates"])) for ex in train)
+        if distinct < largest:
+            raise SystemExit(f"error: --random-pool {args.random_pool} gives {distinct} distinct SIDs, fewer than the "
+                             f"{largest} items of the largest training example")
     max_cands, max_hist = max(len(ex["candidates"]) for ex in train), max(len(ex["history"]) for ex in train)
     stage = {"stage": "warmup", "parent": args.model, "block_size": None, "mask_token_id": tok.mask_token_id,
              "data": str(args.data), "args": vars(args)}

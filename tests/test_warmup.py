@@ -152,3 +152,11 @@ def test_a_pool_too_small_for_the_data_is_refused_before_training(tiny_data, tmp
         warmup.main(["--data", str(tiny_data), "--out", str(tmp_path / "w"), "--model", "micro", "--steps", "2",
                      "--random-sids", "0.5", "--random-pool", "2"])
     assert not (tmp_path / "w" / "metrics.json").exists()
+
+
+def test_sids_are_rewritten_in_one_pass():
+    old = ["<a_1><b_2><c_3><d_0>", "<a_4><b_5><c_6><d_0>"]
+    # the first item's new SID is the second's old one: a pass per item would rewrite it twice
+    text = f"c1 {old[0]} ; c2 {old[1]} ; [{old[0]}{old[1]}]"
+    new = warmup.rewrite_sids(text, {old[0]: old[1], old[1]: "<a_7><b_8><c_9><d_1>"})
+    assert new == f"c1 {old[1]} ; c2 <a_7><b_8><c_9><d_1> ; [{old[1]}<a_7><b_8><c_9><d_1>]"
