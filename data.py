@@ -70,11 +70,10 @@ def prompt_text(items, sid, history, cands, title_words, shown=None):
                          [item_line(items[c], sid[c], title_words, s) for c, s in zip(cands, shown or [""] * len(cands))])
 
 
-def layout_prompt(history_lines, candidate_lines, numbers=None):
-    """The prompt: the history's item lines, then the candidates' numbered c1, c2, ... (or c<numbers[p]>)."""
+def layout_prompt(history_lines, candidate_lines):
+    """The prompt: the history's item lines, then the candidates' numbered c1, c2, ..."""
     hist = " ;\n".join(history_lines)
-    numbers = numbers if numbers is not None else range(1, len(candidate_lines) + 1)
-    cand = " ;\n".join(f"c{n} {line}" for n, line in zip(numbers, candidate_lines))
+    cand = " ;\n".join(f"c{p + 1} {line}" for p, line in enumerate(candidate_lines))
     return f"history :\n{hist}\ncandidates :\n{cand}\nrank the candidates ."
 
 

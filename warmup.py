@@ -73,8 +73,6 @@ def parse_args(argv=None):
     ap.add_argument("--random-pool", type=int, default=0,
                     help="with --random-sids: half of the random-SID examples draw each level's codes from only this "
                          "many (at least 2), so their SIDs share prefixes (0: every code of the level)")
-    ap.add_argument("--random-tags", action="store_true",
-                    help="number the training prompts' candidates in a random order (validation keeps c1, c2, ...)")
     args = ap.parse_args(argv)
     check_positive(ap, args, "batch_size", "eval_every")
     if not 0.0 <= args.random_sids <= 1.0:
@@ -95,11 +93,9 @@ def prompt_size(step, steps, curriculum, n_cands, n_hist):
 
 # assumption: the warm-up reuses the training prompts and the teacher's ranking-line layout (without scores), so
 # it adds no data and teaches copying in the very context SFT needs it; the paper has no such stage.
-def copy_example(ex, sid, tok, rng, n_cands=None, n_hist=None, random_tags=False):
+def copy_example(ex, sid, tok, rng, n_cands=None, n_hist=None):
     """A training example whose response copies its candidates in a random order (the docstring's layout). With
-    n_cands / n_hist its prompt shrinks to a random n_cands of its candidates (renumbered) and its last n_hist items.
-    With random_tags the candidates' numbers in the prompt are a random permutation of 1..n: a number is found by
-    reading it, not by counting lines."""
+    n_cands / n_hist its prompt shrinks to a random n_cands of its candidates (renumbered) and its last n_hist items."""
     cands, history, prompt = ex["candidates"], ex["history"], ex["prompt"]
     n_cands = len(cands) if n_cands is None else min(n_cands, len(cands))
     n_hist = len(history) if n_hist is None else min(n_hist, len(history))
@@ -109,11 +105,7 @@ def copy_example(ex, sid, tok, rng, n_cands=None, n_hist=None, random_tags=False
         cands = [cands[k] for k in keep]
         prompt = data.layout_prompt(hist_lines[len(hist_lines) - n_hist:], [cand_lines[k] for k in keep])
     order = rng.permutation(len(cands))
-    tags = np.arange(1, len(cands) + 1)
-    if random_tags:  # drawn after the order: runs without it draw exactly as before
-        tags = rng.permutation(tags)
-        prompt = data.layout_prompt(*data.prompt_lines(prompt), numbers=tags)
-    lines = [f"c{tags[p]} {sid[cands[p]]} ;" for p in order]
+    lines = [f"c{p + 1} {sid[cands[p]]} ;" for p in order]
     reasoning = "<think>\nranking :\n" + "\n".join(lines) + "\n</think>"
     prompt_ids, response, n_reasoning = data.tokenize(tok, prompt, reasoning, answer_text(sid, cands, order))
     return {"prompt_ids": prompt_ids, "response_ids": response, "n_reasoning": n_reasoning}
@@ -230,7 +222,7 @@ def main(argv=None):
                     ex, ex_sid = with_random_sids(ex, ex_sid, codes, rng, pool)
                 drawn.append((ex, ex_sid))
             examples = drawn
-        batch = collate([copy_example(ex, ex_sid, tok, rng, n_cands, n_hist, args.random_tags) for ex, ex_sid in examples])
+        batch = collate([copy_example(ex, ex_sid, tok, rng, n_cands, n_hist) for ex, ex_sid in examples])
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         loss = ar_loss(model, batch, args.lambda_r, args.lambda_o, tok.pad_token_id)
